@@ -1,0 +1,1 @@
+"""Model checkpoints: memory-mapped safetensors, weight formats (FP8 block scales), synthetic models."""

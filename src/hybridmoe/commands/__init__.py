@@ -1,0 +1,1 @@
+"""Subcommands of the `hybridmoe` CLI, one module each (see hybridmoe.cli)."""

@@ -1,0 +1,1 @@
+"""Model building blocks: norms, rotary embeddings, attention (GQA, MLA) over a paged KV cache, MoE."""

@@ -1,0 +1,1 @@
+"""Mixture-of-experts block: router, routed-expert backends."""

@@ -1,0 +1,65 @@
+"""The routed-expert interface: `ExpertBackend` and the weights it computes with.
+
+The MoE block computes router -> top-k and hands the routed part to a backend through two calls,
+`submit(hidden, topk_ids, topk_weights) -> handle` and `wait(handle) -> output`, so that a backend that runs
+on other cores (the C++ CPU kernels) overlaps accelerator work between the two calls. One backend instance
+serves one layer's experts.
+
+Legend: T tokens, H hidden, E experts, K top-k, I expert intermediate size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class ExpertWeights:
+    """One MoE layer's routed experts, as loaded (zero-copy views of the checkpoint where possible).
+
+    fmt "dense": gate/up [I, H] and down [H, I] per expert in a float dtype (bf16/fp16/fp32).
+    fmt "fp8":   the same shapes in float8_e4m3fn with float32 `*_scale` per block (DeepSeek-V3's
+                 `weight_scale_inv`): gate/up scales [ceil(I/b0), ceil(H/b1)], down [ceil(H/b0), ceil(I/b1)].
+    """
+
+    fmt: str  # "dense" | "fp8"
+    gate: list[torch.Tensor]  # E x [I, H]
+    up: list[torch.Tensor]  # E x [I, H]
+    down: list[torch.Tensor]  # E x [H, I]
+    gate_scale: list[torch.Tensor] | None = None
+    up_scale: list[torch.Tensor] | None = None
+    down_scale: list[torch.Tensor] | None = None
+    block_size: tuple[int, int] = (128, 128)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.gate[0].shape[1]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.gate[0].shape[0]
+
+    def nbytes(self) -> int:
+        tensors = self.gate + self.up + self.down
+        for scales in (self.gate_scale, self.up_scale, self.down_scale):
+            tensors += scales or []
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class ExpertBackend(Protocol):
+    """Computes sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) for one layer."""
+
+    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Any:
+        """hidden [T, H], topk_ids [T, K] int, topk_weights [T, K] float32 -> an opaque handle."""
+        ...
+
+    def wait(self, handle: Any) -> torch.Tensor:
+        """Block until the submitted work is done; returns [T, H] in hidden's dtype."""
+        ...

@@ -1,0 +1,1 @@
+"""Placement planning: hardware profiles, cost model, planner, what-if simulation (numpy only)."""

@@ -1,0 +1,1 @@
+"""Request lifecycle: sampling, tokenizer, KV blocks, scheduler, model runner, engine."""
