@@ -29,8 +29,9 @@ class RopeConfig:
     original_max_position: int | None = None
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
+    truncate: bool = True  # yarn: round the correction range to whole dims
+    attention_factor: float = 1.0  # yarn: multiplies cos/sin (mscale / mscale_all_dim correction)
+    softmax_mscale: float = 1.0  # yarn: softmax scale multiplier (mscale_all_dim correction, squared)
     interleaved: bool = False  # DeepSeek's rope dims come interleaved (x0,y0,x1,y1,..)
 
 
@@ -197,10 +198,22 @@ def _rope(f: _Fields, rotary_dim: int, interleaved: bool) -> RopeConfig:
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
     if kind not in ("default", "yarn", "linear"):
         raise f.error("rope_scaling", f"rope type {kind!r} is not supported (default, linear, yarn)")
-    factor = float(merged.get("factor", 1.0) or 1.0)
     orig = merged.get("original_max_position_embeddings")
     if kind == "yarn" and orig is None:
         raise f.error("rope_scaling", "yarn needs original_max_position_embeddings")
+    factor = merged.get("factor")
+    if factor is None:  # DeepSeek convention: the ratio of the extended to the original context
+        factor = f.int("max_position_embeddings", 4096) / orig if kind == "yarn" else 1.0
+    factor = float(factor)
+    attention_factor, softmax_mscale = 1.0, 1.0
+    if kind == "yarn":
+        mscale, mscale_all_dim = merged.get("mscale"), merged.get("mscale_all_dim")
+        attention_factor = merged.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                                if mscale and mscale_all_dim else yarn_mscale(factor))
+        if mscale_all_dim:
+            softmax_mscale = yarn_mscale(factor, mscale_all_dim) ** 2
     return RopeConfig(
         theta=float(theta),
         rotary_dim=rotary_dim,
@@ -209,8 +222,9 @@ def _rope(f: _Fields, rotary_dim: int, interleaved: bool) -> RopeConfig:
         original_max_position=int(orig) if orig is not None else None,
         beta_fast=float(merged.get("beta_fast") or 32.0),
         beta_slow=float(merged.get("beta_slow") or 1.0),
-        mscale=float(merged.get("mscale") or 1.0),
-        mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0),
+        truncate=bool(merged.get("truncate", True)),
+        attention_factor=float(attention_factor),
+        softmax_mscale=softmax_mscale,
         interleaved=interleaved,
     )
 
@@ -263,9 +277,7 @@ def _parse_deepseek_v3(f: _Fields, arch: str) -> ModelConfig:
     qk_nope, qk_rope = f.int("qk_nope_head_dim"), f.int("qk_rope_head_dim")
     v_head = f.int("v_head_dim")
     rope = _rope(f, qk_rope, interleaved=f.bool("rope_interleave", True))
-    scale = (qk_nope + qk_rope) ** -0.5
-    if rope.scaling_type == "yarn" and rope.mscale_all_dim:
-        scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+    scale = (qk_nope + qk_rope) ** -0.5 * rope.softmax_mscale
     attention = AttentionConfig(
         kind="mla", num_heads=num_heads, num_kv_heads=num_heads, head_dim=qk_nope + qk_rope,
         softmax_scale=scale, bias=f.bool("attention_bias", False),
@@ -321,7 +333,8 @@ def _parse_qwen3_moe(f: _Fields, arch: str) -> ModelConfig:
     use_sw = f.bool("use_sliding_window", False)
     attention, head_dim = _gqa_attention(f, qk_norm=True,
                                          sliding_window=f.int("sliding_window", None) if use_sw else None)
-    n_experts = f.int("num_experts")
+    # official checkpoints write num_experts; transformers 5 writes num_local_experts
+    n_experts = f.int("num_experts") if "num_experts" in f.raw else f.int("num_local_experts")
     top_k = f.int("num_experts_per_tok")
     if top_k > n_experts:
         raise f.error("num_experts_per_tok", f"must be <= num_experts ({n_experts}), got {top_k}")

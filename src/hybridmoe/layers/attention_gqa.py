@@ -1,0 +1,62 @@
+"""Grouped-query attention (Qwen3-MoE with q/k RMSNorm, Mixtral with an optional sliding window) over a
+paged KV cache of shape [2, num_blocks, block_size, num_kv_heads, head_dim] per layer.
+
+Legend: T new tokens, H hidden, N query heads, Nk kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridmoe.config import ModelConfig
+from hybridmoe.layers.norm import rms_norm
+from hybridmoe.layers.paged_attention import AttentionMetadata, attend, gather_context, write_to_cache
+from hybridmoe.layers.rope import RotaryEmbedding
+
+
+@dataclass
+class GQAWeights:
+    q_proj: torch.Tensor  # [N*D, H]
+    k_proj: torch.Tensor  # [Nk*D, H]
+    v_proj: torch.Tensor  # [Nk*D, H]
+    o_proj: torch.Tensor  # [H, N*D]
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [D]
+    k_norm: torch.Tensor | None = None  # [D]
+
+
+class GQAttention:
+    def __init__(self, config: ModelConfig, weights: GQAWeights, rope: RotaryEmbedding):
+        self.cfg, self.w, self.rope = config.attention, weights, rope
+        self.eps = config.rms_norm_eps
+
+    @staticmethod
+    def cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        att = config.attention
+        return (2, num_blocks, block_size, att.num_kv_heads, att.head_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                cache: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]; writes this step's K/V into cache."""
+        cfg, w = self.cfg, self.w
+        num_tokens = x.shape[0]
+        q = F.linear(x, w.q_proj, w.q_bias).view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = F.linear(x, w.k_proj, w.k_bias).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = F.linear(x, w.v_proj, w.v_bias).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if w.q_norm is not None:
+            q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        write_to_cache(cache[0], meta.slot_mapping, k)
+        write_to_cache(cache[1], meta.slot_mapping, v)
+        out = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=x.dtype)
+        for s, rows in enumerate(meta.query_slices()):
+            k_ctx = gather_context(cache[0], meta.block_tables[s], meta.seq_lens[s])  # [C, Nk, D]
+            v_ctx = gather_context(cache[1], meta.block_tables[s], meta.seq_lens[s])
+            out[rows] = attend(q[rows], k_ctx, v_ctx, cfg.softmax_scale, cfg.sliding_window)
+        return F.linear(out.view(num_tokens, -1), w.o_proj)

@@ -1,0 +1,79 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) over a paged cache of compressed latents.
+
+Only the normalised latent c (kv_lora_rank L) and the rotated shared key k_pe (R dims) are cached:
+[num_blocks, block_size, L + R] per layer, 576 values per token for DeepSeek-V3 instead of 2 x 128 heads x 192.
+Attention runs in the latent space ("weight absorption"): the no-rope query is projected through the key
+half of kv_b_proj (q_lat = W_uk^T q_nope), scores are q_lat . c + q_pe . k_pe, and the attention-weighted
+latent is expanded through the value half afterwards, so the context is never decompressed.
+
+Legend: T new tokens, H hidden, N heads, P qk_nope dims, R rope dims, V v dims, L kv_lora_rank, C context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridmoe.config import ModelConfig
+from hybridmoe.layers.norm import rms_norm
+from hybridmoe.layers.paged_attention import AttentionMetadata, attend, gather_context, write_to_cache
+from hybridmoe.layers.rope import RotaryEmbedding
+
+
+@dataclass
+class MLAWeights:
+    kv_a_proj: torch.Tensor  # [L+R, H]
+    kv_a_norm: torch.Tensor  # [L]
+    kv_b_proj: torch.Tensor  # [N*(P+V), L]
+    o_proj: torch.Tensor  # [H, N*V]
+    q_proj: torch.Tensor | None = None  # [N*(P+R), H] when q_lora_rank is null
+    q_a_proj: torch.Tensor | None = None  # [Lq, H]
+    q_a_norm: torch.Tensor | None = None  # [Lq]
+    q_b_proj: torch.Tensor | None = None  # [N*(P+R), Lq]
+    q_a_bias: torch.Tensor | None = None
+    kv_a_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+class MLAttention:
+    def __init__(self, config: ModelConfig, weights: MLAWeights, rope: RotaryEmbedding):
+        self.cfg, self.w, self.rope = config.attention, weights, rope
+        self.eps = config.rms_norm_eps
+        cfg = self.cfg
+        kv_b = weights.kv_b_proj.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        self.w_uk = kv_b[:, : cfg.qk_nope_head_dim]  # [N, P, L]
+        self.w_uv = kv_b[:, cfg.qk_nope_head_dim:]  # [N, V, L]
+
+    @staticmethod
+    def cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        att = config.attention
+        return (num_blocks, block_size, att.kv_lora_rank + att.qk_rope_head_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                cache: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]; writes this step's latents into cache."""
+        cfg, w = self.cfg, self.w
+        num_tokens, lora = x.shape[0], cfg.kv_lora_rank
+        if w.q_proj is not None:
+            q = F.linear(x, w.q_proj)
+        else:
+            q = F.linear(rms_norm(F.linear(x, w.q_a_proj, w.q_a_bias), w.q_a_norm, self.eps), w.q_b_proj)
+        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)  # [T, N, P], [T, N, R]
+        kv = F.linear(x, w.kv_a_proj, w.kv_a_bias)  # [T, L+R]
+        latent = rms_norm(kv[:, :lora], w.kv_a_norm, self.eps)  # [T, L]
+        k_pe = kv[:, None, lora:]  # [T, 1, R]
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        q_pe, k_pe = self.rope.apply(q_pe, cos, sin), self.rope.apply(k_pe, cos, sin)
+        write_to_cache(cache, meta.slot_mapping, torch.cat((latent, k_pe[:, 0]), dim=-1))
+
+        q_lat = torch.einsum("tnp,npl->tnl", q_nope, self.w_uk)  # [T, N, L]
+        q_full = torch.cat((q_lat, q_pe), dim=-1)  # [T, N, L+R]
+        out_lat = torch.empty(num_tokens, cfg.num_heads, lora, dtype=x.dtype)
+        for s, rows in enumerate(meta.query_slices()):
+            ctx = gather_context(cache, meta.block_tables[s], meta.seq_lens[s])[:, None, :]  # [C, 1, L+R]
+            out_lat[rows] = attend(q_full[rows], ctx, ctx[..., :lora], cfg.softmax_scale, None)
+        out = torch.einsum("tnl,nvl->tnv", out_lat, self.w_uv)  # [T, N, V]
+        return F.linear(out.reshape(num_tokens, -1), w.o_proj, w.o_bias)

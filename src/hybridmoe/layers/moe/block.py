@@ -1,0 +1,25 @@
+"""The MoE block: router -> top-k -> routed experts (through an ExpertBackend) + shared experts.
+
+Legend: T tokens, H hidden, K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmoe.layers.mlp import GatedMLP
+from hybridmoe.layers.moe.backend import ExpertBackend
+from hybridmoe.layers.moe.router import Router
+
+
+class MoEBlock:
+    def __init__(self, router: Router, experts: ExpertBackend, shared: GatedMLP | None):
+        self.router, self.experts, self.shared = router, experts, shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]. The shared experts run between submit and wait, overlapping routed work."""
+        topk_ids, topk_weights = self.router.route(x)  # [T, K], [T, K]
+        handle = self.experts.submit(x, topk_ids, topk_weights)
+        shared = self.shared.forward(x) if self.shared is not None else None
+        routed = self.experts.wait(handle)
+        return routed if shared is None else routed + shared

@@ -1,0 +1,53 @@
+"""The plain-torch ExpertBackend: routed experts grouped by expert (one matmul per active expert).
+
+Used where no faster backend applies, and as the reference the CPU kernels are checked against. FP8 experts
+are dequantised per call, only for the experts that tokens were routed to.
+
+Legend: T tokens, H hidden, K top-k, I expert intermediate, A (token, expert) assignments = T*K.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridmoe.checkpoint.fp8 import dequantize_fp8
+from hybridmoe.layers.moe.backend import ExpertWeights
+
+
+class TorchExpertBackend:
+    def __init__(self, weights: ExpertWeights, compute_dtype: torch.dtype):
+        self.w, self.dtype = weights, compute_dtype
+
+    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], topk_ids [T, K], topk_weights [T, K] -> computed at once; the handle is the output."""
+        num_tokens, top_k = topk_ids.shape
+        flat_ids = topk_ids.reshape(-1)  # [A]
+        order = flat_ids.argsort(stable=True)  # assignments sorted by expert
+        token_of = order // top_k  # [A] token row of each sorted assignment
+        counts = torch.bincount(flat_ids, minlength=self.w.num_experts).tolist()
+        weights = topk_weights.reshape(-1)[order].to(self.dtype)  # [A]
+        x = hidden.to(self.dtype)
+        out = torch.zeros(num_tokens, x.shape[1], dtype=self.dtype)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token_of[start:start + count]
+            gate, up, down = self._expert(expert)
+            h = F.silu(F.linear(x[rows], gate)) * F.linear(x[rows], up)  # [n, I]
+            out.index_add_(0, rows, F.linear(h, down) * weights[start:start + count, None])
+            start += count
+        return out.to(hidden.dtype)
+
+    def wait(self, handle: torch.Tensor) -> torch.Tensor:
+        return handle
+
+    def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        w = self.w
+        if w.fmt == "dense":
+            return w.gate[e], w.up[e], w.down[e]
+        if w.fmt == "fp8":
+            return tuple(dequantize_fp8(q[e], s[e], w.block_size, self.dtype)
+                         for q, s in ((w.gate, w.gate_scale), (w.up, w.up_scale), (w.down, w.down_scale)))
+        raise ValueError(f"TorchExpertBackend: unsupported expert weight format {w.fmt!r}")

@@ -1,0 +1,71 @@
+"""Paged KV cache plumbing shared by the attention layers.
+
+The KV cache of a layer is a tensor [num_blocks, block_size, ...]; a sequence owns a list of blocks (its
+block table) and token position p of the sequence lives in slot block_table[p // block_size] * block_size +
+p % block_size. One forward runs a batch of sequences of different lengths: the new tokens of all sequences
+are concatenated ([T, ...]), each sequence s contributing query_lens[s] tokens that extend its context to
+seq_lens[s] tokens.
+
+Legend: T new tokens in the batch, S sequences, N heads, C context tokens of one sequence, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
+    block_tables: torch.Tensor  # [S, max_blocks] long
+    query_lens: list[int]  # [S] new tokens per sequence (sum = T)
+    seq_lens: list[int]  # [S] context length after this step (cached + new)
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    def query_slices(self) -> list[slice]:
+        out, start = [], 0
+        for n in self.query_lens:
+            out.append(slice(start, start + n))
+            start += n
+        return out
+
+
+def write_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+    """cache [NB, BS, *F], values [T, *F] -> stored at slots slot_mapping [T]."""
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values.to(cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """cache [NB, BS, *F], block_table [max_blocks] -> the sequence's first context_len entries [C, *F]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-context_len // block_size)
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:context_len]
+
+
+def attention_mask(query_len: int, context_len: int, sliding_window: int | None) -> torch.Tensor | None:
+    """[Q, C] bool, True where query i (at position C - Q + i) may attend key j; None when all may."""
+    if query_len == 1 and (sliding_window is None or context_len <= sliding_window):
+        return None
+    q_pos = torch.arange(context_len - query_len, context_len)[:, None]
+    k_pos = torch.arange(context_len)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """q [Q, N, D], k [C, Nk, D], v [C, Nk, Dv] (N a multiple of Nk) -> [Q, N, Dv], causal over the context."""
+    mask = attention_mask(q.shape[0], k.shape[0], sliding_window)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )  # [N, Q, Dv]
+    return out.transpose(0, 1)

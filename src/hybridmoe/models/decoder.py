@@ -1,0 +1,135 @@
+"""The MoE decoder shared by all architectures: embeddings -> N x (attention, dense MLP or MoE) -> norm -> head.
+
+Architectures differ in their attention (MLA or GQA), router, shared experts and checkpoint names; each
+architecture module provides an `ArchSpec` that says how to build those from a checkpoint.
+
+Legend: T new tokens in the batch, H hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from hybridmoe.config import ModelConfig
+from hybridmoe.layers.mlp import GatedMLP
+from hybridmoe.layers.moe.backend import ExpertBackend, ExpertWeights
+from hybridmoe.layers.moe.block import MoEBlock
+from hybridmoe.layers.moe.router import Router
+from hybridmoe.layers.norm import rms_norm
+from hybridmoe.layers.paged_attention import AttentionMetadata
+from hybridmoe.layers.rope import RotaryEmbedding
+from hybridmoe.models.weight_loader import WeightLoader
+
+ExpertBackendFactory = Callable[[ExpertWeights, torch.dtype], ExpertBackend]
+
+
+class Attention(Protocol):
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                cache: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How one architecture names and builds its parts."""
+
+    moe_prefix: str  # "mlp" (DeepSeek, Qwen3) | "block_sparse_moe" (Mixtral)
+    expert_proj_names: tuple[str, str, str]  # gate, up, down
+    shared_experts_prefix: str | None  # "mlp.shared_experts" (DeepSeek)
+    build_attention: Callable[[WeightLoader, str, ModelConfig, RotaryEmbedding], Attention]
+    cache_shape: Callable[[ModelConfig, int, int], tuple[int, ...]]  # (config, num_blocks, block_size)
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor  # [H]
+    attention: Attention
+    post_attention_norm: torch.Tensor  # [H]
+    mlp: GatedMLP | MoEBlock
+
+
+class MoEDecoderModel:
+    def __init__(self, config: ModelConfig, spec: ArchSpec, embed: torch.Tensor, layers: list[DecoderLayer],
+                 norm: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype):
+        self.config, self.spec, self.dtype = config, spec, dtype
+        self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor."""
+        return self.spec.cache_shape(self.config, num_blocks, block_size)
+
+    def kv_bytes_per_token(self) -> int:
+        per_block = torch.Size(self.kv_cache_shape(1, 1)).numel()
+        return per_block * self.config.num_layers * torch.empty((), dtype=self.dtype).element_size()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> logits [len(logits_indices) or T, V] float32."""
+        eps = self.config.rms_norm_eps
+        h = self.embed[input_ids]  # [T, H]
+        for layer, cache in zip(self.layers, kv_caches):
+            h = h + layer.attention.forward(rms_norm(h, layer.input_norm, eps), positions, meta, cache)
+            h = h + layer.mlp.forward(rms_norm(h, layer.post_attention_norm, eps))
+        if logits_indices is not None:
+            h = h[logits_indices]
+        return F.linear(rms_norm(h, self.norm, eps), self.lm_head).float()
+
+
+def build_decoder(config: ModelConfig, spec: ArchSpec, loader: WeightLoader,
+                  backend_factory: ExpertBackendFactory) -> MoEDecoderModel:
+    """Build the model from a checkpoint (weights are zero-copy views where the dtypes allow)."""
+    hidden, vocab = config.hidden_size, config.vocab_size
+    rope = RotaryEmbedding(config.rope)
+    embed = loader.dense("model.embed_tokens.weight", (vocab, hidden))
+    layers = []
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
+        attention = spec.build_attention(loader, prefix + "self_attn.", config, rope)
+        if config.moe_layers[i]:
+            mlp = _build_moe(config, spec, loader, prefix + spec.moe_prefix + ".", prefix, backend_factory)
+        else:
+            mlp = _gated_mlp(loader, prefix + "mlp.", hidden, config.intermediate_size)
+        layers.append(DecoderLayer(
+            input_norm=loader.dense(prefix + "input_layernorm.weight", (hidden,)),
+            attention=attention,
+            post_attention_norm=loader.dense(prefix + "post_attention_layernorm.weight", (hidden,)),
+            mlp=mlp,
+        ))
+        loader.layer_done()
+    norm = loader.dense("model.norm.weight", (hidden,))
+    if config.tie_word_embeddings:
+        lm_head = embed
+    else:
+        lm_head = loader.dense("lm_head.weight", (vocab, hidden))
+    loader.close()
+    return MoEDecoderModel(config, spec, embed, layers, norm, lm_head, loader.dtype)
+
+
+def _gated_mlp(loader: WeightLoader, prefix: str, hidden: int, inter: int) -> GatedMLP:
+    return GatedMLP(
+        gate_proj=loader.dense(prefix + "gate_proj.weight", (inter, hidden)),
+        up_proj=loader.dense(prefix + "up_proj.weight", (inter, hidden)),
+        down_proj=loader.dense(prefix + "down_proj.weight", (hidden, inter)),
+    )
+
+
+def _build_moe(config: ModelConfig, spec: ArchSpec, loader: WeightLoader, moe_prefix: str, layer_prefix: str,
+               backend_factory: ExpertBackendFactory) -> MoEBlock:
+    moe, hidden = config.moe, config.hidden_size
+    bias = None
+    if moe.topk_method == "noaux_tc":
+        bias = loader.float32(moe_prefix + "gate.e_score_correction_bias", (moe.num_experts,))
+    router = Router(moe, loader.float32(moe_prefix + "gate.weight", (moe.num_experts, hidden)), bias)
+    gate, up, down = spec.expert_proj_names
+    names = [tuple(f"{moe_prefix}experts.{e}.{p}.weight" for p in (gate, up, down)) for e in range(moe.num_experts)]
+    experts = loader.experts(names, moe.intermediate_size, hidden)
+    shared = None
+    if spec.shared_experts_prefix and moe.num_shared_experts:
+        shared = _gated_mlp(loader, layer_prefix + spec.shared_experts_prefix + ".", hidden,
+                            moe.shared_intermediate_size)
+    return MoEBlock(router, backend_factory(experts, loader.dtype), shared)

@@ -1,0 +1,38 @@
+"""`load_model(model_dir, dtype)`: config + memory-mapped checkpoint -> a ready MoEDecoderModel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hybridmoe.checkpoint.safetensors_reader import CheckpointReader
+from hybridmoe.config import ModelConfig, load_config
+from hybridmoe.layers.moe.torch_backend import TorchExpertBackend
+from hybridmoe.models import deepseek_v3, mixtral, qwen3_moe
+from hybridmoe.models.decoder import ArchSpec, ExpertBackendFactory, MoEDecoderModel, build_decoder
+from hybridmoe.models.weight_loader import WeightLoader
+
+ARCH_SPECS: dict[str, ArchSpec] = {
+    "DeepseekV3ForCausalLM": deepseek_v3.SPEC,
+    "Qwen3MoeForCausalLM": qwen3_moe.SPEC,
+    "MixtralForCausalLM": mixtral.SPEC,
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {list(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "bfloat16",
+               backend_factory: ExpertBackendFactory = TorchExpertBackend,
+               config: ModelConfig | None = None, show_progress: bool | None = None) -> MoEDecoderModel:
+    config = config or load_config(model_dir)
+    reader = CheckpointReader(model_dir)
+    loader = WeightLoader(reader, config, resolve_dtype(dtype), show_progress)
+    return build_decoder(config, ARCH_SPECS[config.architecture], loader, backend_factory)

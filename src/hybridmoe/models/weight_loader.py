@@ -1,0 +1,110 @@
+"""Typed weight access for model construction: shape/dtype checks, FP8 handling, progress reporting.
+
+`WeightLoader.dense(name, shape)` returns a tensor in the model's compute dtype: a zero-copy view of the
+mapped checkpoint when the stored dtype already matches, a converted copy otherwise, and an exact block
+dequantisation for FP8 tensors that carry a `weight_scale_inv`. `WeightLoader.experts(...)` keeps routed
+experts as stored (FP8 stays FP8 for the CPU kernels) unless a float dtype conversion is asked for.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+import torch
+
+from hybridmoe.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8
+from hybridmoe.checkpoint.safetensors_reader import CheckpointError, CheckpointReader
+from hybridmoe.config import ModelConfig
+from hybridmoe.layers.moe.backend import ExpertWeights
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+class WeightLoader:
+    def __init__(self, reader: CheckpointReader, config: ModelConfig, dtype: torch.dtype,
+                 show_progress: bool | None = None):
+        self.reader, self.config, self.dtype = reader, config, dtype
+        self.block = config.quantization.block_size if config.quantization else (128, 128)
+        self.used: set[str] = set()
+        self._progress = _Progress(config.num_layers, show_progress)
+
+    def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A non-expert weight in the compute dtype (FP8 tensors dequantised exactly)."""
+        tensor = self.reader.get_checked(name, shape, FLOAT_DTYPES + FP8_DTYPES)
+        self.used.add(name)
+        if tensor.dtype in FP8_DTYPES:
+            return dequantize_fp8(tensor, self._scale(name, shape), self.block, self.dtype)
+        return tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)
+
+    def optional_dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return self.dense(name, shape) if name in self.reader else None
+
+    def float32(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Router weights and biases: kept in float32 as the reference routers compute in float32."""
+        tensor = self.reader.get_checked(name, shape, FLOAT_DTYPES)
+        self.used.add(name)
+        return tensor.float()
+
+    def experts(self, names: Iterable[tuple[str, str, str]], inter: int, hidden: int) -> ExpertWeights:
+        """Routed experts from (gate, up, down) weight names per expert.
+
+        FP8 experts stay FP8 (with their block scales); float experts are kept as stored when that is the
+        compute dtype (zero-copy), else converted.
+        """
+        gate, up, down, scales = [], [], [], ([], [], [])
+        fmt = None
+        for triple in names:
+            for proj, (name, shape) in enumerate(zip(triple, ((inter, hidden), (inter, hidden), (hidden, inter)))):
+                tensor = self.reader.get_checked(name, shape, FLOAT_DTYPES + FP8_DTYPES)
+                self.used.add(name)
+                this_fmt = "fp8" if tensor.dtype in FP8_DTYPES else "dense"
+                if fmt not in (None, this_fmt):
+                    raise CheckpointError(f"{self.reader.entry(name).file}: tensor {name!r} is {tensor.dtype}, "
+                                          f"but other experts of the layer are {fmt}")
+                fmt = this_fmt
+                if fmt == "fp8":
+                    scales[proj].append(self._scale(name, shape))
+                elif tensor.dtype != self.dtype:
+                    tensor = tensor.to(self.dtype)
+                (gate, up, down)[proj].append(tensor)
+        if fmt == "fp8":
+            return ExpertWeights("fp8", gate, up, down, *scales, block_size=self.block)
+        return ExpertWeights("dense", gate, up, down)
+
+    def _scale(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        scale_name = name + SCALE_SUFFIX
+        if scale_name not in self.reader:
+            raise CheckpointError(f"{self.reader.entry(name).file}: FP8 tensor {name!r} has no {scale_name!r}")
+        b0, b1 = self.block
+        scale = self.reader.get_checked(scale_name, (-(-shape[0] // b0), -(-shape[1] // b1)), (torch.float32,))
+        self.used.add(scale_name)
+        return scale
+
+    def layer_done(self) -> None:
+        self._progress.advance()
+
+    def close(self) -> None:
+        self._progress.close()
+
+
+class _Progress:
+    """A per-layer progress bar on a terminal, silent otherwise."""
+
+    def __init__(self, total: int, show: bool | None):
+        self._bar = None
+        if show if show is not None else sys.stderr.isatty():
+            from rich.progress import Progress
+
+            self._bar = Progress(transient=True)
+            self._task = self._bar.add_task("loading layers", total=total)
+            self._bar.start()
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

@@ -1,0 +1,66 @@
+"""Turns a step's scheduled sequences into one batched forward over the paged KV cache.
+
+The runner owns the KV cache tensors (one per layer, [num_blocks, block_size, ...] as the model's attention
+lays them out) and builds the flat batch: token ids and positions of every sequence's new tokens, their cache
+slots, block tables and lengths.
+
+Legend: T new tokens in the batch, S sequences, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridmoe.layers.paged_attention import AttentionMetadata
+from hybridmoe.models.decoder import MoEDecoderModel
+
+
+@dataclass
+class SequenceChunk:
+    """New tokens of one sequence for this step: they sit at positions start_pos .. start_pos + len - 1."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+
+
+class ModelRunner:
+    def __init__(self, model: MoEDecoderModel, num_blocks: int, block_size: int):
+        self.model, self.num_blocks, self.block_size = model, num_blocks, block_size
+        shape = model.kv_cache_shape(num_blocks, block_size)
+        self.kv_caches = [torch.zeros(shape, dtype=model.dtype) for _ in range(model.config.num_layers)]
+
+    @staticmethod
+    def blocks_for_memory(model: MoEDecoderModel, kv_cache_bytes: int, block_size: int) -> int:
+        """How many KV blocks fit in kv_cache_bytes."""
+        return max(1, kv_cache_bytes // (model.kv_bytes_per_token() * block_size))
+
+    def forward(self, chunks: list[SequenceChunk], all_logits: bool = False) -> torch.Tensor:
+        """-> logits [S, V] for the last new token of each chunk (or [T, V] for every token) in float32."""
+        bs = self.block_size
+        token_ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
+        max_blocks = max(len(c.block_table) for c in chunks)
+        block_tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
+        for s, chunk in enumerate(chunks):
+            n, end = len(chunk.token_ids), chunk.start_pos + len(chunk.token_ids)
+            if -(-end // bs) > len(chunk.block_table):
+                raise ValueError(f"sequence {s}: {end} tokens need {-(-end // bs)} blocks, "
+                                 f"block table has {len(chunk.block_table)}")
+            token_ids += chunk.token_ids
+            pos = range(chunk.start_pos, end)
+            positions += pos
+            slots += [chunk.block_table[p // bs] * bs + p % bs for p in pos]
+            query_lens.append(n)
+            seq_lens.append(end)
+            block_tables[s, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.long)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long), block_tables=block_tables,
+            query_lens=query_lens, seq_lens=seq_lens, block_size=bs,
+        )
+        logits_indices = None
+        if not all_logits:
+            logits_indices = torch.tensor(query_lens, dtype=torch.long).cumsum(0) - 1  # last token of each
+        return self.model.forward(torch.tensor(token_ids, dtype=torch.long),
+                                  torch.tensor(positions, dtype=torch.long), meta, self.kv_caches, logits_indices)
