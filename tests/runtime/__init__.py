@@ -1,0 +1,1 @@
+"""Tests for hybridmoe.runtime (request-side pieces: sampling, tokenizer, detokenizer, scheduler)."""
