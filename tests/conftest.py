@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny random-init Hugging Face models of each architecture, built once per session."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridmoe.checkpoint.synthetic import save_tiny_model
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """tiny_model_dir(model_type, **overrides) -> path of a saved random-init model (cached per session)."""
+    cache: dict[str, object] = {}
+
+    def make(model_type: str, **overrides):
+        key = json.dumps([model_type, overrides], sort_keys=True, default=str)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(model_type)
+            cache[key] = save_tiny_model(out, model_type, **overrides)
+        return cache[key]
+
+    return make
