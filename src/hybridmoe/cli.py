@@ -1,7 +1,7 @@
 """The `hybridmoe` command line: each subcommand lives in its own module under hybridmoe.commands.
 
 A command module defines `register(subparsers)`, which adds its parser and sets `func` (called with the
-parsed args; returns an exit code). Modules are discovered, so adding a command touches no other file.
+parsed args; returns an exit code). Modules are discovered (names starting with "_" are helpers), so adding a command touches no other file.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridmoe", description="CPU-GPU hybrid MoE inference engine")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):  # shared helpers, not commands
+            continue
         importlib.import_module(f"{commands.__name__}.{info.name}").register(subparsers)
     return parser
 

@@ -1,0 +1,88 @@
+"""Shared by generate, chat and demo: engine construction from CLI flags, streaming output, speed summary."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+from hybridmoe.runtime.engine import EngineConfig, LLMEngine
+from hybridmoe.runtime.sampling_params import SamplingParams
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+    parser.add_argument("--model", required=model_required, help="Hugging Face model directory (local)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+    )
+
+
+def build_engine(model_dir, args: argparse.Namespace) -> LLMEngine:
+    return LLMEngine(model_dir, EngineConfig(dtype=args.dtype, kv_cache_gb=args.kv_cache_gb))
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float
+    decode_s: float
+    finish_reason: str | None
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else float("inf")
+
+    @property
+    def decode_tok_s(self) -> float:
+        steps = self.output_tokens - 1  # the first token comes out of the prefill
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"prompt tokens: {self.prompt_tokens} | output tokens: {self.output_tokens} | "
+                f"time to first token: {self.ttft_s:.3f} s | prefill: {self.prefill_tok_s:.1f} tok/s | "
+                f"decode: {self.decode_tok_s:.1f} tok/s")
+
+
+def stream(engine: LLMEngine, prompt: str | list[int], params: SamplingParams, out=sys.stdout) -> tuple[str, GenerationStats]:
+    """Run one request, writing text to `out` as it is produced; returns the text and its timings."""
+    start = time.perf_counter()
+    req_id = engine.add_request(prompt, params)
+    first = None
+    text, prompt_tokens, output_tokens, reason = "", 0, 0, None
+    while engine.has_unfinished_requests():
+        for result in engine.step():
+            if result.req_id != req_id:
+                continue
+            if result.new_token_ids and first is None:
+                first = time.perf_counter()
+            out.write(result.new_text)
+            out.flush()
+            text, prompt_tokens, output_tokens = result.text, len(result.prompt_token_ids), len(result.token_ids)
+            if result.finished:
+                reason = result.finish_reason
+                if result.error:
+                    raise RuntimeError(f"generation failed: {result.error}")
+    end = time.perf_counter()
+    first = first or end
+    return text, GenerationStats(prompt_tokens, output_tokens, first - start, end - first, reason)

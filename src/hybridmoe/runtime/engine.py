@@ -1,0 +1,170 @@
+"""The engine loop: requests in, incremental outputs out.
+
+Each `step()` asks the scheduler which requests run how many tokens, runs them as one batched forward over the
+paged KV cache, samples a token for every request that reached the end of its known tokens, detokenises
+incrementally (stop strings), and reports what changed. A request that fails validation is refused with a
+clear error at `add_request`; a failure inside a step ends only the requests of that step, with the error
+recorded, and the engine keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hybridmoe.config import load_config
+from hybridmoe.models.loader import load_model, resolve_dtype
+from hybridmoe.runtime.block_manager import BlockManager
+from hybridmoe.runtime.detokenizer import IncrementalDetokenizer
+from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
+from hybridmoe.runtime.request import Request, RequestStatus
+from hybridmoe.runtime.sampler import Sampler
+from hybridmoe.runtime.sampling_params import SamplingParams
+from hybridmoe.runtime.scheduler import Scheduler
+from hybridmoe.runtime.tokenizer import load_tokenizer
+
+
+@dataclass
+class EngineConfig:
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    kv_cache_gb: float = 1.0  # memory for the paged KV cache
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048  # token budget of one step (decode tokens first, then prefill chunks)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped by the cache
+
+
+@dataclass
+class RequestOutput:
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all generated ids so far
+    text: str  # all generated text so far (truncated at a stop string)
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    first_token_time: float | None = None
+    arrival_time: float = 0.0
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, show_progress: bool | None = None):
+        self.config = cfg = config or EngineConfig()
+        self.model_dir = Path(model_dir)
+        self.model_config = load_config(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model = load_model(model_dir, resolve_dtype(cfg.dtype), config=self.model_config,
+                                show_progress=show_progress)
+        num_blocks = ModelRunner.blocks_for_memory(self.model, int(cfg.kv_cache_gb * 2**30), cfg.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
+        self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
+                                 num_blocks * cfg.block_size)
+        self.scheduler = Scheduler(BlockManager(num_blocks, cfg.block_size), cfg.max_num_seqs,
+                                   cfg.max_num_batched_tokens, self.max_model_len)
+        self.sampler = Sampler()
+        self._ids = itertools.count()
+        self._states: dict[str, _RequestState] = {}
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    req_id: str | None = None) -> str:
+        """Queue a prompt (text, or token ids); raises ValueError with the reason when it cannot be served."""
+        params = params or SamplingParams()
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}): got {bad[:5]}")
+        req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
+        if req_id in self._states:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        request = Request(req_id=req_id, prompt_token_ids=prompt_ids, sampling_params=params,
+                          eos_token_ids=tuple(self.tokenizer.eos_token_ids), arrival_time=time.monotonic())
+        self.scheduler.add_request(request)  # validates lengths against the cache
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop)
+        self._states[req_id] = _RequestState(request, generator, detok)
+        return req_id
+
+    def abort_request(self, req_id: str) -> None:
+        if req_id in self._states:
+            self.scheduler.abort_request(req_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns an output for every request that produced tokens or finished."""
+        sched = self.scheduler.schedule()
+        outputs: dict[str, RequestOutput] = {}
+        if sched.scheduled:
+            try:
+                sampled = self._run(sched)
+            except Exception as exc:  # a failed step ends its own requests, never the engine
+                for item in sched.scheduled:
+                    req = item.request
+                    self.scheduler.finish_request(req.req_id, RequestStatus.FINISHED_ERROR, "error")
+                    req.error = f"{type(exc).__name__}: {exc}"
+                sampled = None
+            if sampled is not None:
+                finished = {r.req_id for r in self.scheduler.update_from_output(sched, sampled)}
+                for req_id, token in sampled.items():
+                    state = self._states[req_id]
+                    new_text = state.detok.add(token)
+                    state.new_ids.append(token)
+                    state.new_text += new_text
+                    if state.first_token_time is None:
+                        state.first_token_time = time.monotonic()
+                    if state.detok.stopped and req_id not in finished:
+                        self.scheduler.finish_request(req_id, RequestStatus.FINISHED_STOPPED, "stop")
+        for req_id, state in list(self._states.items()):
+            if state.new_ids or state.request.status.is_finished:
+                outputs[req_id] = state.take_output()
+            if state.request.status.is_finished:
+                del self._states[req_id]
+        return list(outputs.values())
+
+    def _run(self, sched) -> dict[str, int]:
+        chunks, sample_rows = [], []
+        for i, item in enumerate(sched.scheduled):
+            req, start = item.request, item.request.num_computed_tokens
+            chunks.append(SequenceChunk(req.all_token_ids[start:start + item.num_new_tokens], start, item.block_table))
+            if start + item.num_new_tokens >= req.num_tokens:
+                sample_rows.append(i)
+        logits = self.runner.forward(chunks)  # [S, V]
+        if not sample_rows:
+            return {}
+        reqs = [sched.scheduled[i].request for i in sample_rows]
+        tokens = self.sampler.sample(
+            logits[sample_rows], [r.sampling_params for r in reqs],
+            [self._states[r.req_id].generator for r in reqs], [r.all_token_ids for r in reqs],
+        )
+        return {r.req_id: int(t) for r, t in zip(reqs, tokens.tolist())}
+
+
+class _RequestState:
+    def __init__(self, request: Request, generator: torch.Generator | None, detok: IncrementalDetokenizer):
+        self.request, self.generator, self.detok = request, generator, detok
+        self.new_ids: list[int] = []
+        self.new_text = ""
+        self.emitted_chars = 0  # text streamed so far; the detokenizer may hold a tail back until the end
+        self.first_token_time: float | None = None
+
+    def take_output(self) -> RequestOutput:
+        req = self.request
+        if req.status.is_finished:  # flush what the detokenizer held back (a possible stop-string prefix)
+            self.new_text += self.detok.text[self.emitted_chars + len(self.new_text):]
+        self.emitted_chars += len(self.new_text)
+        out = RequestOutput(
+            req_id=req.req_id, prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
+            text=self.detok.text, new_token_ids=self.new_ids, new_text=self.new_text,
+            finished=req.status.is_finished, finish_reason=req.finish_reason, error=req.error,
+            first_token_time=self.first_token_time, arrival_time=req.arrival_time,
+        )
+        self.new_ids, self.new_text = [], ""
+        return out
