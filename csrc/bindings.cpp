@@ -1,0 +1,375 @@
+// Python bindings (nanobind) of the expert-kernel core: weight matrices, the fused MoE layer with async
+// submit/wait, a plain matmul, ISA and thread control, and machine probes. Arrays arrive as typed ndarrays
+// (torch tensors through DLPack, numpy arrays) without copies; dtype, shape, device and layout are checked here
+// with errors that say which argument is wrong. Kernels run on the C++ executor with the GIL released.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cpu_features.h"
+#include "moe.h"
+#include "thread_pool.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace hm {
+namespace {
+
+using Array = nb::ndarray<nb::ro>;
+using MutArray = nb::ndarray<>;
+using DT = nb::dlpack::dtype;
+using Code = nb::dlpack::dtype_code;
+
+constexpr DT dt(Code c, int bits) { return DT{static_cast<uint8_t>(c), static_cast<uint8_t>(bits), 1}; }
+const DT kF32 = dt(Code::Float, 32), kF16 = dt(Code::Float, 16), kBF16 = dt(Code::Bfloat, 16);
+const DT kU8 = dt(Code::UInt, 8), kI8 = dt(Code::Int, 8), kFP8 = dt(Code::Float8_E4M3FN, 8);
+const DT kI16 = dt(Code::Int, 16), kU16 = dt(Code::UInt, 16), kI32 = dt(Code::Int, 32), kI64 = dt(Code::Int, 64);
+
+std::string dtype_name(DT d) {
+  if (d == kF32) return "float32";
+  if (d == kF16) return "float16";
+  if (d == kBF16) return "bfloat16";
+  if (d == kU8) return "uint8";
+  if (d == kI8) return "int8";
+  if (d == kFP8) return "float8_e4m3fn";
+  if (d == kI16) return "int16";
+  if (d == kU16) return "uint16";
+  if (d == kI32) return "int32";
+  if (d == kI64) return "int64";
+  return "dtype(code=" + std::to_string(d.code) + ", bits=" + std::to_string(d.bits) + ")";
+}
+
+template <class A>
+std::string shape_str(const A& a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + "]";
+}
+
+[[noreturn]] void fail(const std::string& what, const std::string& why) { throw std::invalid_argument(what + ": " + why); }
+
+// A CPU array of ndim 2 whose rows are contiguous, with one of `dtypes`.
+template <class A>
+void check_2d(const std::string& what, const A& a, std::initializer_list<DT> dtypes) {
+  if (a.device_type() != nb::device::cpu::value) fail(what, "must be on the CPU");
+  bool ok = false;
+  std::string names;
+  for (DT d : dtypes) {
+    ok |= a.dtype() == d;
+    names += (names.empty() ? "" : " or ") + dtype_name(d);
+  }
+  if (!ok) fail(what, "dtype must be " + names + ", got " + dtype_name(a.dtype()));
+  if (a.ndim() != 2) fail(what, "must be 2-D, got shape " + shape_str(a));
+  if (a.shape(1) > 1 && a.stride(1) != 1) fail(what, "rows must be contiguous (stride 1 along the last dim)");
+  if (a.shape(0) > 1 && a.stride(0) < static_cast<int64_t>(a.shape(1))) fail(what, "rows overlap (row stride < row length)");
+}
+
+template <class A>
+void check_shape(const std::string& what, const A& a, int64_t rows, int64_t cols) {
+  if (static_cast<int64_t>(a.shape(0)) != rows || static_cast<int64_t>(a.shape(1)) != cols)
+    fail(what, "expected shape [" + std::to_string(rows) + ", " + std::to_string(cols) + "], got " + shape_str(a));
+}
+
+// A weight matrix and the arrays that own its memory.
+struct PyMatrix {
+  Matrix m;
+  nb::object data, scales;
+};
+
+PyMatrix make_matrix(const std::string& fmt, nb::object data_obj, nb::object scales_obj, int64_t rows, int64_t cols,
+                     int block_rows, int block_cols, int group, const std::string& name) {
+  PyMatrix pm;
+  Matrix& m = pm.m;
+  const Array data = nb::cast<Array>(data_obj, false);
+  m.rows = rows;
+  m.cols = cols;
+  m.padded_cols = cols;
+  if (rows < 1 || cols < 1) fail(name, "rows and cols must be >= 1");
+  auto need_no_scales = [&] {
+    if (!scales_obj.is_none()) fail(name + " scales", "format " + fmt + " takes no scales");
+  };
+  if (fmt == "f32" || fmt == "bf16" || fmt == "f16") {
+    need_no_scales();
+    m.fmt = fmt == "f32" ? WFormat::F32 : fmt == "bf16" ? WFormat::BF16 : WFormat::F16;
+    if (fmt == "f32") check_2d(name, data, {kF32});
+    else if (fmt == "bf16") check_2d(name, data, {kBF16, kI16, kU16});
+    else check_2d(name, data, {kF16, kI16, kU16});
+    check_shape(name, data, rows, cols);
+  } else if (fmt == "fp8") {
+    m.fmt = WFormat::FP8;
+    check_2d(name, data, {kFP8, kU8});
+    check_shape(name, data, rows, cols);
+    if (block_rows < 1 || block_cols < 16 || block_cols % 16)
+      fail(name, "fp8 block size must have rows >= 1 and cols a multiple of 16, got [" + std::to_string(block_rows) +
+                     ", " + std::to_string(block_cols) + "]");
+    if (scales_obj.is_none()) fail(name + " scales", "fp8 needs float32 block scales");
+    const Array sc = nb::cast<Array>(scales_obj, false);
+    check_2d(name + " scales", sc, {kF32});
+    check_shape(name + " scales", sc, (rows + block_rows - 1) / block_rows, (cols + block_cols - 1) / block_cols);
+    const float* s = static_cast<const float*>(sc.data());
+    for (size_t r = 0; r < sc.shape(0); ++r)
+      for (size_t c = 0; c < sc.shape(1); ++c) {
+        const float v = s[r * sc.stride(0) + c];
+        if (!(std::fabs(v) < 128.0f) && v == v)
+          fail(name + " scales", "block scale " + std::to_string(v) + " at [" + std::to_string(r) + ", " +
+                                     std::to_string(c) + "] is out of range (|scale| must be < 128)");
+      }
+    m.scales = sc.data();
+    m.scale_type = ScaleType::F32;
+    m.scale_stride = sc.stride(0);
+    m.block_rows = block_rows;
+    m.block_cols = block_cols;
+  } else if (fmt == "int4" || fmt == "int8") {
+    m.fmt = fmt == "int4" ? WFormat::INT4 : WFormat::INT8;
+    if (group != 32 && group != 128) fail(name, "int group size must be 32 or 128, got " + std::to_string(group));
+    m.group = group;
+    m.padded_cols = (cols + group - 1) / group * group;
+    check_2d(name, data, fmt == "int4" ? std::initializer_list<DT>{kU8} : std::initializer_list<DT>{kI8});
+    check_shape(name, data, rows, fmt == "int4" ? m.padded_cols / 2 : m.padded_cols);
+    if (scales_obj.is_none()) fail(name + " scales", fmt + " needs bfloat16 or float16 group scales");
+    const Array sc = nb::cast<Array>(scales_obj, false);
+    check_2d(name + " scales", sc, {kBF16, kF16});
+    check_shape(name + " scales", sc, rows, m.padded_cols / group);
+    m.scales = sc.data();
+    m.scale_type = sc.dtype() == kBF16 ? ScaleType::BF16 : ScaleType::F16;
+    m.scale_stride = sc.stride(0);
+  } else {
+    fail(name, "unknown weight format '" + fmt + "' (f32, bf16, f16, fp8, int4, int8)");
+  }
+  m.data = static_cast<const uint8_t*>(data.data());
+  m.row_bytes = data.stride(0) * static_cast<int64_t>(data.dtype().bits / 8);
+  pm.data = data_obj;
+  pm.scales = scales_obj;
+  return pm;
+}
+
+MatmulPath parse_path(const std::string& path) {
+  if (path == "auto") return MatmulPath::Auto;
+  if (path == "gemv") return MatmulPath::Gemv;
+  if (path == "gemm") return MatmulPath::Gemm;
+  fail("path", "must be 'auto', 'gemv' or 'gemm', got '" + path + "'");
+}
+
+// Runs fn on the executor (which owns the pool's thread 0) and waits with the GIL released.
+void run_sync(std::function<void()> fn) {
+  std::shared_ptr<JobState> job;
+  std::string error;
+  {
+    nb::gil_scoped_release release;
+    job = global_executor().submit(std::move(fn));
+    error = job->wait();
+  }
+  if (!error.empty()) throw std::runtime_error(error);
+}
+
+// A submitted MoE computation: keeps its inputs and output alive until it has finished.
+struct MoEHandle {
+  std::shared_ptr<JobState> job;
+  nb::object layer, hidden, ids, weights, out;
+
+  MoEHandle() = default;
+  MoEHandle(MoEHandle&&) = default;
+  MoEHandle& operator=(MoEHandle&&) = default;
+  MoEHandle(const MoEHandle&) = delete;
+  MoEHandle& operator=(const MoEHandle&) = delete;
+
+  nb::object wait() {
+    std::string error;
+    {
+      nb::gil_scoped_release release;
+      error = job->wait();
+    }
+    if (!error.empty()) throw std::runtime_error("expert kernels failed: " + error);
+    return out;
+  }
+  bool done() const { return job->done(); }
+  ~MoEHandle() {
+    if (job && !job->done()) {  // dropped unfinished: the arrays must outlive the computation
+      nb::gil_scoped_release release;
+      job->wait();
+    }
+  }
+};
+
+struct PyMoE {
+  std::unique_ptr<MoELayer> layer;
+  std::vector<PyMatrix> matrices;  // owners of the weights' memory
+
+  PyMoE(nb::list gate, nb::list up, nb::list down, int64_t hidden, int64_t intermediate) {
+    const size_t E = nb::len(gate);
+    if (nb::len(up) != E || nb::len(down) != E)
+      fail("experts", "gate, up and down lists must have the same length, got " + std::to_string(E) + ", " +
+                          std::to_string(nb::len(up)) + ", " + std::to_string(nb::len(down)));
+    std::vector<ExpertMatrices> experts(E);
+    for (size_t e = 0; e < E; ++e) {
+      matrices.push_back(nb::cast<PyMatrix>(gate[e]));
+      matrices.push_back(nb::cast<PyMatrix>(up[e]));
+      matrices.push_back(nb::cast<PyMatrix>(down[e]));
+      experts[e] = {matrices[3 * e].m, matrices[3 * e + 1].m, matrices[3 * e + 2].m};
+    }
+    layer = std::make_unique<MoELayer>(std::move(experts), hidden, intermediate);
+  }
+};
+
+MoEHandle submit(nb::object self_obj, nb::object hidden_obj, nb::object ids_obj, nb::object weights_obj,
+                 nb::object out_obj, const std::string& path) {
+  PyMoE& self = nb::cast<PyMoE&>(self_obj);
+  const Array hidden = nb::cast<Array>(hidden_obj, false);
+  const Array ids = nb::cast<Array>(ids_obj, false);
+  const Array weights = nb::cast<Array>(weights_obj, false);
+  const MutArray out = nb::cast<MutArray>(out_obj, false);
+  const int64_t H = self.layer->hidden(), E = self.layer->num_experts();
+  check_2d("hidden", hidden, {kF32, kBF16});
+  const int64_t T = hidden.shape(0);
+  check_shape("hidden", hidden, T, H);
+  check_2d("topk_ids", ids, {kI64});
+  const int64_t K = ids.shape(1);
+  check_shape("topk_ids", ids, T, K);
+  check_2d("topk_weights", weights, {kF32});
+  check_shape("topk_weights", weights, T, K);
+  check_2d("out", out, {hidden.dtype()});
+  check_shape("out", out, T, H);
+  for (const auto& [name, a] : {std::pair<const char*, const Array*>{"hidden", &hidden}, {"topk_ids", &ids},
+                                {"topk_weights", &weights}})
+    if (a->shape(0) > 1 && a->stride(0) != static_cast<int64_t>(a->shape(1))) fail(name, "must be contiguous");
+  if (T > 1 && out.stride(0) != H) fail("out", "must be contiguous");
+  const int64_t* id = static_cast<const int64_t*>(ids.data());
+  for (int64_t a = 0; a < T * K; ++a)
+    if (id[a] < 0 || id[a] >= E)
+      fail("topk_ids", "expert id " + std::to_string(id[a]) + " at [" + std::to_string(a / K) + ", " +
+                           std::to_string(a % K) + "] is out of range [0, " + std::to_string(E) + ")");
+  MoEInput in;
+  in.hidden = hidden.data();
+  in.hidden_bf16 = hidden.dtype() == kBF16;
+  in.tokens = T;
+  in.top_k = K;
+  in.ids = id;
+  in.weights = static_cast<const float*>(weights.data());
+  in.out = out.data();
+  in.path = parse_path(path);
+  const KernelTable* kt = active_kernels();
+  const MoELayer* layer = self.layer.get();
+  MoEHandle handle;
+  handle.layer = self_obj;
+  handle.hidden = hidden_obj;
+  handle.ids = ids_obj;
+  handle.weights = weights_obj;
+  handle.out = out_obj;
+  {
+    nb::gil_scoped_release release;
+    handle.job = global_executor().submit([layer, in, kt] { layer->compute(in, *kt, global_pool()); });
+  }
+  return handle;
+}
+
+void matmul(const PyMatrix& w, nb::object x_obj, nb::object out_obj, const std::string& path) {
+  const Array x = nb::cast<Array>(x_obj, false);
+  const MutArray out = nb::cast<MutArray>(out_obj, false);
+  check_2d("x", x, {kF32});
+  const int64_t M = x.shape(0);
+  check_shape("x", x, M, w.m.cols);
+  check_2d("out", out, {kF32});
+  check_shape("out", out, M, w.m.rows);
+  if (M > 1 && out.stride(0) != w.m.rows) fail("out", "must be contiguous");
+  const MatmulPath p = parse_path(path);
+  const KernelTable* kt = active_kernels();
+  const float* xp = static_cast<const float*>(x.data());
+  const int64_t ldx = M > 1 ? x.stride(0) : w.m.cols;
+  float* yp = static_cast<float*>(out.data());
+  const Matrix m = w.m;
+  run_sync([=] { run_matmul(m, xp, M, ldx, yp, p, *kt, global_pool()); });
+}
+
+}  // namespace
+}  // namespace hm
+
+NB_MODULE(_native, mod) {
+  using namespace hm;
+  mod.doc() = "hybridmoe C++ expert kernels (FP8/INT4/INT8/BF16 fused MoE on the CPU)";
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  nb::class_<PyMatrix>(mod, "Matrix", "A weight matrix [rows, cols] in one format, holding its arrays")
+      .def_prop_ro("rows", [](const PyMatrix& p) { return p.m.rows; })
+      .def_prop_ro("cols", [](const PyMatrix& p) { return p.m.cols; })
+      .def_prop_ro("padded_cols", [](const PyMatrix& p) { return p.m.padded_cols; });
+  mod.def("make_matrix", &make_matrix, "fmt"_a, "data"_a, "scales"_a.none(), "rows"_a, "cols"_a,
+          "block_rows"_a = 128, "block_cols"_a = 128, "group"_a = 0, "name"_a = "weight",
+          "Wraps arrays (no copy) as a weight matrix; checks dtype, shape and layout for the format.");
+
+  nb::class_<MoEHandle>(mod, "MoEHandle")
+      .def("wait", &MoEHandle::wait, "Blocks (GIL released) until done; returns the output array.")
+      .def("done", &MoEHandle::done);
+  nb::class_<PyMoE>(mod, "MoE", "One layer's routed experts for the fused MoE kernels")
+      .def(nb::init<nb::list, nb::list, nb::list, int64_t, int64_t>(), "gate"_a, "up"_a, "down"_a, "hidden"_a,
+           "intermediate"_a)
+      .def_prop_ro("num_experts", [](const PyMoE& m) { return m.layer->num_experts(); })
+      .def("submit", [](nb::object self, nb::object hidden, nb::object ids, nb::object weights, nb::object out,
+                        const std::string& path) { return submit(self, hidden, ids, weights, out, path); },
+           "hidden"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "path"_a = "auto");
+
+  mod.def("matmul", &matmul, "w"_a, "x"_a, "out"_a, "path"_a = "auto", "out[M, N] = x[M, K] @ W^T (blocking).");
+  mod.def("quantize_rows", [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x, int64_t padded,
+                              int group) {
+    if (group < 1 || padded % group || padded < static_cast<int64_t>(x.shape(1)))
+      hm::fail("quantize_rows", "padded must be a multiple of group and >= the row length");
+    const int64_t M = x.shape(0), K = x.shape(1), G = padded / group;
+    auto* q = new int8_t[M * padded];
+    auto* s = new float[M * G];
+    auto* qs = new float[M * G];
+    for (int64_t r = 0; r < M; ++r) quantize_row(x.data() + r * K, K, padded, group, q + r * padded, s + r * G, qs + r * G);
+    nb::capsule oq(q, [](void* p) noexcept { delete[] static_cast<int8_t*>(p); });
+    nb::capsule os(s, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+    nb::capsule oqs(qs, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+    return nb::make_tuple(nb::ndarray<nb::numpy, int8_t, nb::ndim<2>>(q, {size_t(M), size_t(padded)}, oq),
+                          nb::ndarray<nb::numpy, float, nb::ndim<2>>(s, {size_t(M), size_t(G)}, os),
+                          nb::ndarray<nb::numpy, float, nb::ndim<2>>(qs, {size_t(M), size_t(G)}, oqs));
+  }, "x"_a, "padded"_a, "group"_a, "The activation quantiser the int kernels use: (q, scale, scale*sum(q)).");
+
+  mod.def("isa_names", &isa_names);
+  mod.def("isa_unavailable_reason", &isa_unavailable_reason, "name"_a);
+  mod.def("active_isa", [] { return std::string(active_kernels()->name); });
+  mod.def("set_isa", [](const std::string& name) {
+    global_executor().drain();
+    set_active_isa(name);
+  }, "name"_a);
+  mod.def("cpu_features", &cpu_feature_list);
+  mod.def("configure_threads", [](int n, std::vector<int> cpus) {
+    nb::gil_scoped_release release;
+    configure_threads(n, cpus);
+  }, "num_threads"_a, "cpus"_a = std::vector<int>{});
+  mod.def("num_threads", [] { return global_pool().size(); });
+  mod.def("thread_cpus", [] { return global_pool().cpus(); });
+  mod.def("available_cpus", &available_cpus);
+  mod.def("gemm_min_tokens", [] { return kGemmMinTokens; });
+  mod.def("measure_read_bandwidth", [](nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> buf,
+                                       int repeats) {
+    double bw = 0;
+    const KernelTable* kt = active_kernels();
+    const uint64_t* p = buf.data();
+    const int64_t n = buf.shape(0);
+    run_sync([&] { bw = measure_read_bandwidth(p, n, repeats, *kt, global_pool()); });
+    return bw;
+  }, "buffer"_a, "repeats"_a = 3, "Read bandwidth (bytes/s) over a uint64 buffer, all pool threads.");
+  mod.def("measure_fma_peak", [](double seconds) {
+    double flops = 0;
+    const KernelTable* kt = active_kernels();
+    run_sync([&] { flops = measure_fma_peak(seconds, *kt, global_pool()); });
+    return flops;
+  }, "seconds"_a = 0.2, "Float ops per second of FMA chains on all pool threads (active ISA).");
+}

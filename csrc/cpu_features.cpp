@@ -1,0 +1,140 @@
+// CPU feature detection and kernel-ISA selection (see cpu_features.h).
+#include "cpu_features.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <stdexcept>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#define HM_X86 1
+#endif
+
+namespace hm {
+
+namespace {
+
+#ifdef HM_X86
+uint64_t xgetbv0() {
+  uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+#endif
+
+CpuFeatures detect() {
+  CpuFeatures f;
+#ifdef HM_X86
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool osxsave = c & (1u << 27);
+  f.fma = c & (1u << 12);
+  f.avx = c & (1u << 28);
+  f.f16c = c & (1u << 29);
+  if (osxsave) {
+    const uint64_t xcr0 = xgetbv0();
+    f.os_avx = (xcr0 & 0x6) == 0x6;
+    f.os_avx512 = f.os_avx && (xcr0 & 0xE0) == 0xE0;
+  }
+  if (__get_cpuid_max(0, nullptr) >= 7) {
+    __cpuid_count(7, 0, a, b, c, d);
+    f.avx2 = b & (1u << 5);
+    f.avx512f = b & (1u << 16);
+    f.avx512dq = b & (1u << 17);
+    f.avx512bw = b & (1u << 30);
+    f.avx512vl = b & (1u << 31);
+    f.avx512vbmi = c & (1u << 1);
+    f.avx512vnni = c & (1u << 11);
+    __cpuid_count(7, 1, a, b, c, d);
+    f.avx512bf16 = a & (1u << 5);
+  }
+#endif
+  return f;
+}
+
+std::atomic<const KernelTable*> g_active{nullptr};
+
+}  // namespace
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures f = detect();
+  return f;
+}
+
+std::vector<std::pair<std::string, bool>> cpu_feature_list() {
+  const CpuFeatures& f = cpu_features();
+  return {{"avx", f.avx && f.os_avx}, {"avx2", f.avx2}, {"fma", f.fma}, {"f16c", f.f16c},
+          {"avx512f", f.avx512f && f.os_avx512}, {"avx512bw", f.avx512bw}, {"avx512vl", f.avx512vl},
+          {"avx512dq", f.avx512dq}, {"avx512_vnni", f.avx512vnni}, {"avx512_bf16", f.avx512bf16},
+          {"avx512_vbmi", f.avx512vbmi}};
+}
+
+std::vector<std::string> isa_names() { return {"avx512", "avx2", "scalar"}; }
+
+bool isa_compiled(const std::string& name) {
+  if (name == "scalar") return true;
+  if (name == "avx2") return kernels_avx2() != nullptr;
+  if (name == "avx512") return kernels_avx512() != nullptr;
+  return false;
+}
+
+std::string isa_unavailable_reason(const std::string& name) {
+  const CpuFeatures& f = cpu_features();
+  std::string missing;
+  auto need = [&](bool have, const char* what) {
+    if (!have) missing += std::string(missing.empty() ? "" : ", ") + what;
+  };
+  if (name == "scalar") return "";
+  if (name == "avx2") {
+    need(f.avx && f.os_avx, "avx (with OS support)");
+    need(f.avx2, "avx2");
+    need(f.fma, "fma");
+    need(f.f16c, "f16c");
+  } else if (name == "avx512") {
+    need(f.avx2 && f.fma && f.f16c && f.os_avx, "avx2+fma+f16c");
+    need(f.avx512f && f.os_avx512, "avx512f (with OS support)");
+    need(f.avx512bw, "avx512bw");
+    need(f.avx512vl, "avx512vl");
+    need(f.avx512dq, "avx512dq");
+    need(f.avx512vnni, "avx512_vnni");
+  } else {
+    return "unknown ISA '" + name + "' (known: avx512, avx2, scalar)";
+  }
+  if (!missing.empty()) return "this CPU lacks " + missing;
+  if (!isa_compiled(name)) return "this build has no " + name + " kernels (compiler or platform without it)";
+  return "";
+}
+
+const KernelTable* kernels_for(const std::string& name) {
+  const std::string why = isa_unavailable_reason(name);
+  if (!why.empty()) throw std::invalid_argument("ISA '" + name + "' cannot run: " + why);
+  if (name == "avx512") return kernels_avx512();
+  if (name == "avx2") return kernels_avx2();
+  return kernels_scalar();
+}
+
+const KernelTable* active_kernels() {
+  const KernelTable* t = g_active.load(std::memory_order_acquire);
+  if (t) return t;
+  const char* env = std::getenv("HYBRIDMOE_ISA");
+  if (env && *env) {
+    const std::string forced(env);
+    const std::string why = isa_unavailable_reason(forced);
+    if (!why.empty()) throw std::invalid_argument("HYBRIDMOE_ISA=" + forced + " cannot run: " + why);
+    t = kernels_for(forced);
+  } else {
+    for (const std::string& name : isa_names()) {
+      if (isa_unavailable_reason(name).empty()) {
+        t = kernels_for(name);
+        break;
+      }
+    }
+  }
+  const KernelTable* expected = nullptr;
+  g_active.compare_exchange_strong(expected, t, std::memory_order_acq_rel);
+  return g_active.load(std::memory_order_acquire);
+}
+
+void set_active_isa(const std::string& name) { g_active.store(kernels_for(name), std::memory_order_release); }
+
+}  // namespace hm

@@ -1,0 +1,35 @@
+// CPU feature detection (cpuid + OS register-state support) and the run-time choice of kernel ISA.
+// HYBRIDMOE_ISA=scalar|avx2|avx512 forces one; otherwise the best one the CPU and the build support runs.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "hm_types.h"
+
+namespace hm {
+
+struct CpuFeatures {
+  bool avx = false, avx2 = false, fma = false, f16c = false;
+  bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
+  bool avx512vnni = false, avx512bf16 = false, avx512vbmi = false;
+  bool os_avx = false, os_avx512 = false;  // the OS saves ymm / zmm state
+};
+
+const CpuFeatures& cpu_features();
+std::vector<std::pair<std::string, bool>> cpu_feature_list();
+
+// ISAs in order of preference, each with whether this CPU can run it and this build has it.
+std::vector<std::string> isa_names();  // {"avx512", "avx2", "scalar"}
+bool isa_compiled(const std::string& name);
+// Empty if `name` can run here; otherwise why not (names the missing features).
+std::string isa_unavailable_reason(const std::string& name);
+
+// The table in use. First call: HYBRIDMOE_ISA if set (throws std::invalid_argument when it names an unknown
+// ISA or one this CPU/build lacks), else the best available.
+const KernelTable* active_kernels();
+void set_active_isa(const std::string& name);  // throws std::invalid_argument like above
+const KernelTable* kernels_for(const std::string& name);  // throws if unavailable
+
+}  // namespace hm

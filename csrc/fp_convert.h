@@ -1,0 +1,64 @@
+// Scalar conversions between float32 and bf16 / IEEE half bit patterns, and the exact e4m3fn decode.
+// Internal linkage on purpose: translation units compiled with different ISA flags each keep their own copy.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace hm {
+namespace {
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest even, as torch does; NaN stays a (quiet) NaN.
+inline uint16_t float_to_bf16(float f) {
+  const uint32_t u = float_to_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const int exp = (h >> 10) & 0x1F;
+  const int mant = h & 0x3FF;
+  float v;
+  if (exp == 0) {
+    v = std::ldexp(static_cast<float>(mant), -24);
+  } else if (exp == 31) {
+    v = mant ? NAN : INFINITY;
+  } else {
+    v = std::ldexp(static_cast<float>(mant | 0x400), exp - 25);
+  }
+  return sign ? -v : v;
+}
+
+// float8 e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities; 0x7F/0xFF are NaN.
+inline float fp8_e4m3_to_float(uint8_t b) {
+  const int exp = (b >> 3) & 0xF;
+  const int mant = b & 0x7;
+  float v;
+  if ((b & 0x7F) == 0x7F) {
+    v = NAN;
+  } else if (exp == 0) {
+    v = std::ldexp(static_cast<float>(mant), -9);
+  } else {
+    v = std::ldexp(static_cast<float>(mant | 0x8), exp - 10);
+  }
+  return (b & 0x80) ? -v : v;
+}
+
+}  // namespace
+}  // namespace hm

@@ -1,0 +1,83 @@
+// Shared types of the expert-kernel core: weight formats, matrix and activation views, the per-ISA kernel
+// table. No torch, no Python: plain C++17.
+//
+// Legend: M tokens routed to one expert, K input features (cols), N output features (rows).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace hm {
+
+// Storage format of one weight matrix [N, K] (row-major, rows = output features).
+enum class WFormat : int {
+  F32 = 0,   // float32
+  BF16 = 1,  // bfloat16 bits
+  F16 = 2,   // IEEE half bits
+  FP8 = 3,   // float8 e4m3fn codes, float32 scale per (block_rows x block_cols) block
+  INT4 = 4,  // symmetric int4 per group along K, two per byte (see formats doc), bf16/f16 scale per group
+  INT8 = 5,  // symmetric int8 per group along K, bf16/f16 scale per group
+};
+
+enum class ScaleType : int { None = 0, F32 = 1, BF16 = 2, F16 = 3 };
+
+static inline bool is_int_format(WFormat f) { return f == WFormat::INT4 || f == WFormat::INT8; }
+
+// One weight matrix as the kernels read it. `cols` is the logical K; int formats store each row padded with
+// zeros to `padded_cols` = ceil(K / group) * group, so that every group is whole.
+struct Matrix {
+  WFormat fmt = WFormat::F32;
+  const uint8_t* data = nullptr;  // row r starts at data + r * row_bytes
+  int64_t rows = 0, cols = 0, padded_cols = 0;
+  int64_t row_bytes = 0;
+  const void* scales = nullptr;   // fp8: float32 [ceil(N/block_rows), scale_stride]; int: [N, scale_stride]
+  ScaleType scale_type = ScaleType::None;
+  int64_t scale_stride = 0;       // scale elements per scale row
+  int block_rows = 0, block_cols = 0;  // fp8
+  int group = 0;                       // int formats: 32 or 128
+};
+
+// M tokens' input rows in the form a matrix needs: fp32 rows (float formats) or int8 rows quantised per group
+// (int formats). Float rows are zero-padded to `ldx` >= round_up(K, 16); int rows to the matrix's padded K.
+struct Activations {
+  int64_t m = 0, k = 0;
+  const float* x = nullptr;
+  int64_t ldx = 0;
+  const int8_t* q = nullptr;
+  int64_t ldq = 0;
+  const float* qscale = nullptr;  // [m, ldg]: scale of each group (x ~ q * scale)
+  const float* qsum = nullptr;    // [m, ldg]: scale * sum(q) over the group (for unsigned-offset dot products)
+  int64_t ldg = 0;
+  const int32_t* rows = nullptr;  // token m reads buffer row rows[m] (nullptr: row m)
+};
+
+static inline int64_t act_row(const Activations& a, int64_t m) { return a.rows ? a.rows[m] : m; }
+static inline const float* x_row(const Activations& a, int64_t m) { return a.x + act_row(a, m) * a.ldx; }
+static inline const int8_t* q_row(const Activations& a, int64_t m) { return a.q + act_row(a, m) * a.ldq; }
+static inline const float* qscale_row(const Activations& a, int64_t m) { return a.qscale + act_row(a, m) * a.ldg; }
+static inline const float* qsum_row(const Activations& a, int64_t m) { return a.qsum + act_row(a, m) * a.ldg; }
+
+enum class MatmulPath : int { Auto = 0, Gemv = 1, Gemm = 2 };
+
+// Tokens per expert from which the tiled GEMM path (K blocked for the caches) replaces the GEMV path.
+constexpr int64_t kGemmMinTokens = 8;
+
+// The kernels one ISA provides. All pointers are non-null in a table that exists.
+struct KernelTable {
+  const char* name;
+  // y[m * ldy + (r - r0)] = sum_k x[m][k] * W[r][k] for r in [r0, r1), m < x.m.
+  void (*matmul)(const Matrix& w, int64_t r0, int64_t r1, const Activations& x, float* y, int64_t ldy,
+                 MatmulPath path);
+  // out[i] = silu(gate[i]) * up[i]
+  void (*silu_mul)(const float* gate, const float* up, float* out, int64_t n);
+  // Sum of 64-bit words of p[0, n) (a bandwidth probe; n a multiple of 64 bytes' worth of words).
+  uint64_t (*read_sum)(const uint64_t* p, int64_t n);
+  // Runs `iters` iterations of independent FMA chains in registers; returns the float ops done.
+  double (*fma_peak)(int64_t iters);
+};
+
+const KernelTable* kernels_scalar();
+const KernelTable* kernels_avx2();    // nullptr where not compiled in
+const KernelTable* kernels_avx512();  // nullptr where not compiled in
+
+}  // namespace hm

@@ -1,0 +1,12 @@
+// The AVX2 + FMA + F16C kernel table (compiled with -mavx2 -mfma -mf16c; run only where the CPU has them).
+#include "simd_avx2.h"
+#include "kernels_simd.h"
+
+namespace hm {
+
+const KernelTable* kernels_avx2() {
+  static const KernelTable table = {"avx2", &matmul<Avx2>, &silu_mul<Avx2>, &read_sum, &fma_peak<Avx2>};
+  return &table;
+}
+
+}  // namespace hm

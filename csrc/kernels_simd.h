@@ -1,0 +1,365 @@
+// The vectorised kernels, written once over a vector vocabulary V (simd_avx2.h / simd_avx512.h) and
+// instantiated by each ISA's translation unit (kernels_avx2.cpp, kernels_avx512.cpp).
+//
+// matmul computes y[m, r] = sum_k x[m, k] * W[r, k] for a block of rows r of one weight matrix:
+//  - float formats (f32, bf16, f16, fp8): weights are decoded to float32 in registers (fp8 by bit placement,
+//    with the block scale and 2^120 folded into one multiply) and FMA'd against fp32 activations;
+//  - int formats (int4, int8): int8 activations quantised per group, integer dot products (maddubs or VNNI),
+//    one float multiply-add per group with the weight and activation scales.
+// Register tiles of R rows x MT tokens share each decoded weight vector across tokens. GEMV path (few tokens):
+// whole rows at once. GEMM path (many tokens): K split into chunks that keep the tokens' activations in L2
+// while the rows stream past (partial sums accumulate in y).
+//
+// Everything here has internal linkage (anonymous namespace) and uses no std:: templates, so that code
+// compiled for one ISA can never be linked into another ISA's path.
+//
+// Legend: M tokens, K input features, R rows per register tile, MT tokens per register tile, W vector lanes.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "hm_types.h"
+
+namespace hm {
+namespace {
+
+using I64 = int64_t;
+
+inline I64 imin(I64 a, I64 b) { return a < b ? a : b; }
+inline I64 imax(I64 a, I64 b) { return a > b ? a : b; }
+
+constexpr I64 kRowBlock = 256;      // rows whose NaN flags one pass keeps
+constexpr I64 kGemmChunkK = 1024;   // K elements per GEMM chunk (activations of the tile's tokens stay in L2)
+
+template <WFormat F>
+constexpr I64 bytes_per_weight() {
+  return F == WFormat::F32 ? 4 : (F == WFormat::FP8 ? 1 : 2);
+}
+
+template <class V, WFormat F>
+inline typename V::F decode(const uint8_t* p) {
+  if constexpr (F == WFormat::F32) return V::load(reinterpret_cast<const float*>(p));
+  else if constexpr (F == WFormat::BF16) return V::load_bf16(reinterpret_cast<const uint16_t*>(p));
+  else if constexpr (F == WFormat::F16) return V::load_f16(reinterpret_cast<const uint16_t*>(p));
+  else return V::load_fp8(p);
+}
+
+// True when p[0, n) holds an e4m3fn NaN code (0x7F or 0xFF).
+inline bool fp8_has_nan(const uint8_t* p, I64 n) {
+  const __m256i m7f = _mm256_set1_epi8(0x7F);
+  __m256i hits = _mm256_setzero_si256();
+  I64 i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i v = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), m7f);
+    hits = _mm256_or_si256(hits, _mm256_cmpeq_epi8(v, m7f));
+  }
+  bool any = !_mm256_testz_si256(hits, hits);
+  for (; i < n; ++i) any |= (p[i] & 0x7F) == 0x7F;
+  return any;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Float formats
+
+// out[i][j] = sum over k in [k0, k1) of W[row i][k] * x[token j][k]; `bc` = scale block width (fp8) or k1-k0.
+template <class V, WFormat F, int R, int MT>
+inline void fp_tile(const uint8_t* const* rowp, const float* const* srow, I64 k0, I64 k1, I64 bc,
+                    const float* const* xr, float (&out)[R][MT]) {
+  constexpr int W = V::W;
+  constexpr I64 B = bytes_per_weight<F>();
+  typename V::F acc[R][MT];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < MT; ++j) acc[i][j] = V::zero();
+  for (I64 kb = k0; kb < k1; kb += bc) {
+    const I64 ke = imin(kb + bc, k1);
+    typename V::F s[R];
+    if constexpr (F == WFormat::FP8) {
+      for (int i = 0; i < R; ++i) s[i] = V::set1(srow[i][kb / bc] * 0x1p120f);
+    }
+    I64 k = kb;
+    for (; k + W <= ke; k += W) {
+      for (int i = 0; i < R; ++i) {
+        typename V::F w = decode<V, F>(rowp[i] + k * B);
+        if constexpr (F == WFormat::FP8) w = V::mul(w, s[i]);
+        for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xr[j] + k), acc[i][j]);
+      }
+    }
+    if (k < ke) {  // end of a row whose length is not a multiple of W: zero-padded copy (x is zero-padded)
+      alignas(64) uint8_t tail[W * B];
+      for (int i = 0; i < R; ++i) {
+        std::memset(tail, 0, sizeof(tail));
+        std::memcpy(tail, rowp[i] + k * B, static_cast<size_t>((ke - k) * B));
+        typename V::F w = decode<V, F>(tail);
+        if constexpr (F == WFormat::FP8) w = V::mul(w, s[i]);
+        for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xr[j] + k), acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < MT; ++j) out[i][j] = V::hsum(acc[i][j]);
+}
+
+// y[(m + j) * ldy + row0 + i] (+)= out[i][j] for the tile's valid rows.
+template <int R, int MT>
+inline void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_rows, bool first, const float (&out)[R][MT]) {
+  for (int i = 0; i < R && i < valid_rows; ++i)
+    for (int j = 0; j < MT; ++j) {
+      float& dst = y[(m + j) * ldy + row0 + i];
+      dst = first ? out[i][j] : dst + out[i][j];
+    }
+}
+
+template <class V, WFormat F>
+void matmul_fp(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
+  const I64 K = w.cols, M = x.m;
+  const I64 bc = F == WFormat::FP8 ? w.block_cols : K;
+  const I64 kc = !gemm ? K : (F == WFormat::FP8 ? bc * imax(1, kGemmChunkK / bc) : kGemmChunkK);
+  const float* scales = static_cast<const float*>(w.scales);
+  for (I64 rb = r0; rb < r1; rb += kRowBlock) {
+    const I64 re = imin(rb + kRowBlock, r1);
+    bool nan_row[kRowBlock] = {};
+    for (I64 k0 = 0; k0 < K; k0 += kc) {
+      const I64 k1 = imin(k0 + kc, K);
+      const I64 blk = F == WFormat::FP8 ? bc : k1 - k0;
+      for (I64 r = rb; r < re; r += 4) {
+        const uint8_t* rowp[4];
+        const float* srow[4] = {nullptr, nullptr, nullptr, nullptr};
+        for (int i = 0; i < 4; ++i) {
+          const I64 ri = imin(r + i, re - 1);  // a short last tile repeats its last row (not stored)
+          rowp[i] = w.data + ri * w.row_bytes;
+          if constexpr (F == WFormat::FP8) {
+            srow[i] = scales + (ri / w.block_rows) * w.scale_stride;
+            if (r + i < re && fp8_has_nan(rowp[i] + k0, k1 - k0)) nan_row[r + i - rb] = true;
+          }
+        }
+        const I64 valid = imin(4, re - r), row0 = r - r0;
+        const bool first = k0 == 0;
+        I64 m = 0;
+        for (; m + 4 <= M; m += 4) {
+          const float* xr[4] = {x_row(x, m), x_row(x, m + 1), x_row(x, m + 2), x_row(x, m + 3)};
+          float lo[2][4], hi[2][4];
+          fp_tile<V, F, 2, 4>(rowp, srow, k0, k1, blk, xr, lo);
+          fp_tile<V, F, 2, 4>(rowp + 2, srow + 2, k0, k1, blk, xr, hi);
+          store_tile<2, 4>(y, ldy, m, row0, valid, first, lo);
+          store_tile<2, 4>(y, ldy, m, row0 + 2, valid - 2, first, hi);
+        }
+        for (; m + 2 <= M; m += 2) {
+          const float* xr[2] = {x_row(x, m), x_row(x, m + 1)};
+          float o[4][2];
+          fp_tile<V, F, 4, 2>(rowp, srow, k0, k1, blk, xr, o);
+          store_tile<4, 2>(y, ldy, m, row0, valid, first, o);
+        }
+        for (; m < M; ++m) {
+          const float* xr[1] = {x_row(x, m)};
+          float o[4][1];
+          fp_tile<V, F, 4, 1>(rowp, srow, k0, k1, blk, xr, o);
+          store_tile<4, 1>(y, ldy, m, row0, valid, first, o);
+        }
+      }
+    }
+    if constexpr (F == WFormat::FP8) {
+      for (I64 r = rb; r < re; ++r)
+        if (nan_row[r - rb])
+          for (I64 m = 0; m < M; ++m) y[m * ldy + r - r0] = NAN;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Int formats
+
+// 16 bytes of int4 pairs -> 32 unsigned values 0..15 in element order (byte j: element j low, j+16 high).
+inline __m256i unpack_u4(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+}
+
+template <ScaleType ST>
+inline float scale_to_float(uint16_t s) {
+  if constexpr (ST == ScaleType::BF16) {
+    const uint32_t u = static_cast<uint32_t>(s) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  } else {
+    return _cvtsh_ss(s);
+  }
+}
+
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[i][j] = sum over groups [g0, g1) of ws[i][g] * xs[j][g] * (integer dot of the group).
+template <class V, WFormat F, ScaleType ST, int R, int MT>
+inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 g0, I64 g1, int group,
+                     const int8_t* const* xq, const float* const* xs, const float* const* xsum,
+                     float (&out)[R][MT]) {
+  constexpr float kOffset = F == WFormat::INT4 ? 8.0f : static_cast<float>(V::kI8Offset);
+  __m256 accf[R][MT];
+  float corr[R][MT];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < MT; ++j) {
+      accf[i][j] = _mm256_setzero_ps();
+      corr[i][j] = 0.0f;
+    }
+  const int chunks = group / 32;
+  for (I64 g = g0; g < g1; ++g) {
+    __m256i acci[R][MT];
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < MT; ++j) acci[i][j] = _mm256_setzero_si256();
+    for (int c = 0; c < chunks; ++c) {
+      const I64 e = g * group + c * 32;
+      __m256i wv[R];
+      for (int i = 0; i < R; ++i) {
+        if constexpr (F == WFormat::INT4) wv[i] = unpack_u4(rowp[i] + e / 2);
+        else wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rowp[i] + e));
+      }
+      for (int j = 0; j < MT; ++j) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + e));
+        for (int i = 0; i < R; ++i) {
+          if constexpr (F == WFormat::INT4) acci[i][j] = V::dot_u4(acci[i][j], wv[i], xv);
+          else acci[i][j] = V::dot_i8(acci[i][j], wv[i], xv);
+        }
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const float ws = scale_to_float<ST>(srow[i][g]);
+      for (int j = 0; j < MT; ++j) {
+        accf[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[i][j]), _mm256_set1_ps(ws * xs[j][g]), accf[i][j]);
+        if constexpr (kOffset != 0.0f) corr[i][j] += ws * xsum[j][g];
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < MT; ++j) out[i][j] = hsum256(accf[i][j]) - kOffset * corr[i][j];
+}
+
+template <class V, WFormat F, ScaleType ST>
+void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
+  const I64 M = x.m, groups = w.padded_cols / w.group;
+  const I64 gc = gemm ? imax(1, kGemmChunkK / w.group) : groups;
+  const uint16_t* scales = static_cast<const uint16_t*>(w.scales);
+  for (I64 g0 = 0; g0 < groups; g0 += gc) {
+    const I64 g1 = imin(g0 + gc, groups);
+    const bool first = g0 == 0;
+    for (I64 r = r0; r < r1; r += 4) {
+      const uint8_t* rowp[4];
+      const uint16_t* srow[4];
+      for (int i = 0; i < 4; ++i) {
+        const I64 ri = imin(r + i, r1 - 1);
+        rowp[i] = w.data + ri * w.row_bytes;
+        srow[i] = scales + ri * w.scale_stride;
+      }
+      const I64 valid = imin(4, r1 - r), row0 = r - r0;
+      I64 m = 0;
+      for (; m + 4 <= M; m += 4) {
+        const int8_t* xq[4];
+        const float *xs[4], *xsum[4];
+        for (int j = 0; j < 4; ++j) {
+          xq[j] = q_row(x, m + j);
+          xs[j] = qscale_row(x, m + j);
+          xsum[j] = qsum_row(x, m + j);
+        }
+        for (int i = 0; i < 4; ++i) {
+          float o[1][4];
+          int_tile<V, F, ST, 1, 4>(rowp + i, srow + i, g0, g1, w.group, xq, xs, xsum, o);
+          store_tile<1, 4>(y, ldy, m, row0 + i, valid - i, first, o);
+        }
+      }
+      for (; m + 2 <= M; m += 2) {
+        const int8_t* xq[2] = {q_row(x, m), q_row(x, m + 1)};
+        const float* xs[2] = {qscale_row(x, m), qscale_row(x, m + 1)};
+        const float* xsum[2] = {qsum_row(x, m), qsum_row(x, m + 1)};
+        for (int i = 0; i < 4; i += 2) {
+          float o[2][2];
+          int_tile<V, F, ST, 2, 2>(rowp + i, srow + i, g0, g1, w.group, xq, xs, xsum, o);
+          store_tile<2, 2>(y, ldy, m, row0 + i, valid - i, first, o);
+        }
+      }
+      for (; m < M; ++m) {
+        const int8_t* xq[1] = {q_row(x, m)};
+        const float* xs[1] = {qscale_row(x, m)};
+        const float* xsum[1] = {qsum_row(x, m)};
+        float o[4][1];
+        int_tile<V, F, ST, 4, 1>(rowp, srow, g0, g1, w.group, xq, xs, xsum, o);
+        store_tile<4, 1>(y, ldy, m, row0, valid, first, o);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Table entries
+
+template <class V>
+void matmul(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, MatmulPath path) {
+  const bool gemm = path == MatmulPath::Gemm || (path == MatmulPath::Auto && x.m >= kGemmMinTokens);
+  const bool bf16_scales = w.scale_type == ScaleType::BF16;
+  switch (w.fmt) {
+    case WFormat::F32: return matmul_fp<V, WFormat::F32>(w, r0, r1, x, y, ldy, gemm);
+    case WFormat::BF16: return matmul_fp<V, WFormat::BF16>(w, r0, r1, x, y, ldy, gemm);
+    case WFormat::F16: return matmul_fp<V, WFormat::F16>(w, r0, r1, x, y, ldy, gemm);
+    case WFormat::FP8: return matmul_fp<V, WFormat::FP8>(w, r0, r1, x, y, ldy, gemm);
+    case WFormat::INT4:
+      return bf16_scales ? matmul_int<V, WFormat::INT4, ScaleType::BF16>(w, r0, r1, x, y, ldy, gemm)
+                         : matmul_int<V, WFormat::INT4, ScaleType::F16>(w, r0, r1, x, y, ldy, gemm);
+    case WFormat::INT8:
+      return bf16_scales ? matmul_int<V, WFormat::INT8, ScaleType::BF16>(w, r0, r1, x, y, ldy, gemm)
+                         : matmul_int<V, WFormat::INT8, ScaleType::F16>(w, r0, r1, x, y, ldy, gemm);
+  }
+}
+
+template <class V>
+void silu_mul(const float* gate, const float* up, float* out, I64 n) {
+  constexpr int W = V::W;
+  I64 i = 0;
+  for (; i + W <= n; i += W) {
+    const typename V::F g = V::load(gate + i);
+    const typename V::F sig = V::div(V::set1(1.0f), V::add(V::set1(1.0f), V::exp(V::mul(g, V::set1(-1.0f)))));
+    V::store(out + i, V::mul(V::mul(g, sig), V::load(up + i)));
+  }
+  for (; i < n; ++i) out[i] = gate[i] / (1.0f + __builtin_expf(-gate[i])) * up[i];
+}
+
+uint64_t read_sum(const uint64_t* p, I64 n) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  I64 i = 0;
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+    a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 4)));
+    a2 = _mm256_add_epi64(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 8)));
+    a3 = _mm256_add_epi64(a3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 12)));
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
+                     _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3)));
+  uint64_t sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+  for (; i < n; ++i) sum += p[i];
+  return sum;
+}
+
+template <class V>
+double fma_peak(I64 iters) {
+  constexpr int kChains = 12;
+  typename V::F acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = V::set1(1.0f + 0.001f * c);
+  const typename V::F a = V::set1(0.999999f), b = V::set1(1e-7f);
+  for (I64 it = 0; it < iters; ++it)
+    for (int c = 0; c < kChains; ++c) acc[c] = V::fma(acc[c], a, b);
+  typename V::F total = acc[0];
+  for (int c = 1; c < kChains; ++c) total = V::add(total, acc[c]);
+  volatile float sink = V::hsum(total);
+  (void)sink;
+  return 2.0 * V::W * kChains * static_cast<double>(iters);
+}
+
+}  // namespace
+}  // namespace hm

@@ -1,0 +1,271 @@
+// Fused MoE driver, matmul entry point, activation quantisation and machine probes (see moe.h).
+#include "moe.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+
+#include "fp_convert.h"
+
+namespace hm {
+
+namespace {
+
+using I64 = int64_t;
+
+I64 round_up(I64 v, I64 m) { return (v + m - 1) / m * m; }
+I64 ceil_div(I64 a, I64 b) { return (a + b - 1) / b; }
+
+// Activation rows of one matrix format, owned.
+struct ActBuffer {
+  I64 rows = 0, k = 0;
+  std::vector<float> x;  // [rows, ldx], zero-padded
+  I64 ldx = 0;
+  std::vector<int8_t> q;  // [rows, ldq]
+  I64 ldq = 0, ldg = 0, group = 0;
+  std::vector<float> qscale, qsum;  // [rows, ldg]
+
+  // Sized for `rows` inputs of length k feeding matrices like `w` (float rows, or int8 rows per group).
+  void init(I64 n_rows, const Matrix& w) {
+    rows = n_rows;
+    k = w.cols;
+    ldx = round_up(k + 1, 16);  // + 1 keeps rows from aliasing cache sets when k is a power of two
+    x.assign(static_cast<size_t>(rows * ldx), 0.0f);
+    if (is_int_format(w.fmt)) {
+      group = w.group;
+      ldq = w.padded_cols;
+      ldg = w.padded_cols / w.group;
+      q.assign(static_cast<size_t>(rows * ldq), 0);
+      qscale.assign(static_cast<size_t>(rows * ldg), 0.0f);
+      qsum.assign(static_cast<size_t>(rows * ldg), 0.0f);
+    }
+  }
+  float* row(I64 r) { return x.data() + r * ldx; }
+  void quantize(I64 r) {
+    if (group) quantize_row(row(r), k, ldq, static_cast<int>(group), q.data() + r * ldq, qscale.data() + r * ldg,
+                            qsum.data() + r * ldg);
+  }
+  Activations view(I64 m, const int32_t* row_index, I64 first_row) const {
+    Activations a;
+    a.m = m;
+    a.k = k;
+    a.x = x.data() + first_row * ldx;
+    a.ldx = ldx;
+    if (group) {
+      a.q = q.data() + first_row * ldq;
+      a.ldq = ldq;
+      a.qscale = qscale.data() + first_row * ldg;
+      a.qsum = qsum.data() + first_row * ldg;
+      a.ldg = ldg;
+    }
+    a.rows = row_index;
+    return a;
+  }
+};
+
+// Rows per task: blocks of 128 rows, halved (down to 16) until there are >= 8 tasks per thread.
+I64 task_rows(I64 rows, I64 num_slots, int threads) {
+  I64 blk = 128;
+  while (blk > 16 && num_slots * ceil_div(rows, blk) < 8 * static_cast<I64>(threads)) blk /= 2;
+  return blk;
+}
+
+}  // namespace
+
+void quantize_row(const float* x, I64 k, I64 padded, int group, int8_t* q, float* scale, float* qsum) {
+  for (I64 g = 0; g * group < padded; ++g) {
+    const I64 begin = g * group, end = std::min<I64>(begin + group, k);
+    float amax = 0.0f;
+    bool finite = true;
+    for (I64 i = begin; i < end; ++i) {
+      finite &= std::isfinite(x[i]);
+      amax = std::max(amax, std::fabs(x[i]));
+    }
+    int8_t* qg = q + begin;
+    std::memset(qg, 0, static_cast<size_t>(group));
+    if (!finite) {
+      scale[g] = NAN;
+      qsum[g] = NAN;
+      continue;
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (I64 i = begin; i < end; ++i) {
+      const float v = std::nearbyint(x[i] * inv);
+      const int qi = static_cast<int>(std::min(127.0f, std::max(-127.0f, v)));
+      qg[i - begin] = static_cast<int8_t>(qi);
+      sum += qi;
+    }
+    scale[g] = amax / 127.0f;
+    qsum[g] = scale[g] * static_cast<float>(sum);
+  }
+}
+
+MoELayer::MoELayer(std::vector<ExpertMatrices> experts, I64 hidden, I64 intermediate)
+    : experts_(std::move(experts)), hidden_(hidden), intermediate_(intermediate) {
+  if (experts_.empty()) throw std::invalid_argument("MoE layer needs at least one expert");
+  fmt_ = experts_[0].gate.fmt;
+  for (size_t e = 0; e < experts_.size(); ++e) {
+    const ExpertMatrices& x = experts_[e];
+    for (const Matrix* m : {&x.gate, &x.up, &x.down})
+      if (m->fmt != fmt_) throw std::invalid_argument("expert " + std::to_string(e) + ": all matrices must share one format");
+    if (x.gate.rows != intermediate || x.gate.cols != hidden || x.up.rows != intermediate || x.up.cols != hidden ||
+        x.down.rows != hidden || x.down.cols != intermediate)
+      throw std::invalid_argument("expert " + std::to_string(e) + ": gate/up must be [I, H] and down [H, I] with H=" +
+                                  std::to_string(hidden) + ", I=" + std::to_string(intermediate));
+    if (is_int_format(fmt_) && x.gate.group != x.up.group)
+      throw std::invalid_argument("expert " + std::to_string(e) + ": gate and up must share a group size");
+  }
+}
+
+void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& pool) const {
+  const I64 T = in.tokens, K = in.top_k, H = hidden_, I = intermediate_, E = num_experts();
+  if (T == 0) return;
+  const int threads = pool.size();
+
+  // Routing: the (token, k) pairs of each expert, experts with more tokens first.
+  std::vector<I64> count(static_cast<size_t>(E), 0);
+  for (I64 a = 0; a < T * K; ++a) ++count[static_cast<size_t>(in.ids[a])];
+  std::vector<I64> slots;  // active experts, by descending token count
+  for (I64 e = 0; e < E; ++e)
+    if (count[static_cast<size_t>(e)]) slots.push_back(e);
+  std::stable_sort(slots.begin(), slots.end(), [&](I64 a, I64 b) { return count[a] > count[b]; });
+  const I64 S = static_cast<I64>(slots.size());
+  std::vector<I64> slot_begin(static_cast<size_t>(S + 1), 0), slot_of(static_cast<size_t>(E), -1);
+  for (I64 s = 0; s < S; ++s) {
+    slot_begin[s + 1] = slot_begin[s] + count[slots[s]];
+    slot_of[slots[s]] = s;
+  }
+  std::vector<int32_t> pair_token(static_cast<size_t>(T * K));  // pair row (grouped by slot) -> token
+  std::vector<I64> pair_row(static_cast<size_t>(T * K));        // (t, k) -> pair row
+  {
+    std::vector<I64> fill(slot_begin.begin(), slot_begin.end() - 1);
+    for (I64 t = 0; t < T; ++t)
+      for (I64 k = 0; k < K; ++k) {
+        const I64 row = fill[slot_of[in.ids[t * K + k]]]++;
+        pair_token[row] = static_cast<int32_t>(t);
+        pair_row[t * K + k] = row;
+      }
+  }
+
+  // prepare: hidden -> activations for gate/up
+  const ExpertMatrices& first = experts_[slots[0]];
+  ActBuffer xin;
+  xin.init(T, first.gate);
+  pool.parallel_for(T, [&](I64 t, int) {
+    float* dst = xin.row(t);
+    if (in.hidden_bf16) {
+      const uint16_t* src = static_cast<const uint16_t*>(in.hidden) + t * H;
+      for (I64 h = 0; h < H; ++h) dst[h] = bf16_to_float(src[h]);
+    } else {
+      std::memcpy(dst, static_cast<const float*>(in.hidden) + t * H, static_cast<size_t>(H) * sizeof(float));
+    }
+    xin.quantize(t);
+  });
+
+  // gate/up: (slot x block of I rows) -> inter[pair row, i] = silu(gate) * up
+  ActBuffer inter;
+  inter.init(T * K, first.down);
+  const I64 blk_i = task_rows(I, S, threads);
+  const I64 blocks_i = ceil_div(I, blk_i);
+  I64 max_tokens = 0;
+  for (I64 s = 0; s < S; ++s) max_tokens = std::max(max_tokens, slot_begin[s + 1] - slot_begin[s]);
+  std::vector<float> scratch(static_cast<size_t>(threads) * 2 * max_tokens * blk_i);
+  pool.parallel_for(S * blocks_i, [&](I64 task, int thread) {
+    const I64 s = task / blocks_i, r0 = (task % blocks_i) * blk_i, r1 = std::min(I, r0 + blk_i);
+    const ExpertMatrices& ex = experts_[slots[s]];
+    const I64 m = slot_begin[s + 1] - slot_begin[s];
+    const Activations acts = xin.view(m, pair_token.data() + slot_begin[s], 0);
+    float* g = scratch.data() + static_cast<size_t>(thread) * 2 * max_tokens * blk_i;
+    float* u = g + max_tokens * blk_i;
+    kt.matmul(ex.gate, r0, r1, acts, g, blk_i, in.path);
+    kt.matmul(ex.up, r0, r1, acts, u, blk_i, in.path);
+    for (I64 j = 0; j < m; ++j) kt.silu_mul(g + j * blk_i, u + j * blk_i, inter.row(slot_begin[s] + j) + r0, r1 - r0);
+  });
+  if (is_int_format(fmt_)) pool.parallel_for(T * K, [&](I64 row, int) { inter.quantize(row); });
+
+  // down: (slot x block of H rows) -> y[pair row, h]
+  std::vector<float> y(static_cast<size_t>(T * K * H));
+  const I64 blk_h = task_rows(H, S, threads);
+  const I64 blocks_h = ceil_div(H, blk_h);
+  pool.parallel_for(S * blocks_h, [&](I64 task, int) {
+    const I64 s = task / blocks_h, r0 = (task % blocks_h) * blk_h, r1 = std::min(H, r0 + blk_h);
+    const I64 m = slot_begin[s + 1] - slot_begin[s];
+    const Activations acts = inter.view(m, nullptr, slot_begin[s]);
+    kt.matmul(experts_[slots[s]].down, r0, r1, acts, y.data() + slot_begin[s] * H + r0, H, in.path);
+  });
+
+  // combine: out[t, h] = sum_k w[t, k] * y[pair(t, k), h]
+  const I64 blk_c = 512, blocks_c = ceil_div(H, blk_c);
+  pool.parallel_for(T * blocks_c, [&](I64 task, int) {
+    const I64 t = task / blocks_c, h0 = (task % blocks_c) * blk_c, h1 = std::min(H, h0 + blk_c);
+    float acc[512];
+    std::fill(acc, acc + (h1 - h0), 0.0f);
+    for (I64 k = 0; k < K; ++k) {
+      const float wk = in.weights[t * K + k];
+      const float* src = y.data() + pair_row[t * K + k] * H;
+      for (I64 h = h0; h < h1; ++h) acc[h - h0] += wk * src[h];
+    }
+    if (in.hidden_bf16) {
+      uint16_t* dst = static_cast<uint16_t*>(in.out) + t * H;
+      for (I64 h = h0; h < h1; ++h) dst[h] = float_to_bf16(acc[h - h0]);
+    } else {
+      std::memcpy(static_cast<float*>(in.out) + t * H + h0, acc, static_cast<size_t>(h1 - h0) * sizeof(float));
+    }
+  });
+}
+
+void run_matmul(const Matrix& w, const float* x, I64 m, I64 ldx, float* y, MatmulPath path, const KernelTable& kt,
+                ThreadPool& pool) {
+  ActBuffer acts;
+  acts.init(m, w);
+  for (I64 r = 0; r < m; ++r) {
+    std::memcpy(acts.row(r), x + r * ldx, static_cast<size_t>(w.cols) * sizeof(float));
+    acts.quantize(r);
+  }
+  const Activations view = acts.view(m, nullptr, 0);
+  const I64 blk = task_rows(w.rows, 1, pool.size());
+  pool.parallel_for(ceil_div(w.rows, blk), [&](I64 task, int) {
+    const I64 r0 = task * blk, r1 = std::min(w.rows, r0 + blk);
+    // rows [r0, r1) land in a task-local block, then move to y's columns
+    std::vector<float> block(static_cast<size_t>(m * (r1 - r0)));
+    kt.matmul(w, r0, r1, view, block.data(), r1 - r0, path);
+    for (I64 i = 0; i < m; ++i)
+      std::memcpy(y + i * w.rows + r0, block.data() + i * (r1 - r0), static_cast<size_t>(r1 - r0) * sizeof(float));
+  });
+}
+
+double measure_read_bandwidth(const uint64_t* p, I64 words, int repeats, const KernelTable& kt, ThreadPool& pool) {
+  const int threads = pool.size();
+  const I64 per = (words / threads) & ~static_cast<I64>(15);
+  double best = 0.0;
+  std::vector<uint64_t> sums(static_cast<size_t>(threads));
+  for (int rep = 0; rep < repeats; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    pool.parallel_for(threads, [&](I64 task, int) { sums[task] = kt.read_sum(p + task * per, per); });
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, static_cast<double>(per) * threads * 8.0 / sec);
+  }
+  volatile uint64_t sink = std::accumulate(sums.begin(), sums.end(), uint64_t{0});
+  (void)sink;
+  return best;
+}
+
+double measure_fma_peak(double seconds, const KernelTable& kt, ThreadPool& pool) {
+  const int threads = pool.size();
+  I64 iters = 1 << 16;
+  for (;;) {  // grow the run until it lasts long enough to time
+    std::vector<double> flops(static_cast<size_t>(threads));
+    const auto t0 = std::chrono::steady_clock::now();
+    pool.parallel_for(threads, [&](I64 task, int) { flops[task] = kt.fma_peak(iters); });
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (sec >= seconds || iters > (I64{1} << 40)) return std::accumulate(flops.begin(), flops.end(), 0.0) / sec;
+    iters *= 2;
+  }
+}
+
+}  // namespace hm

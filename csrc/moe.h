@@ -1,0 +1,65 @@
+// The fused routed-expert MLP of one MoE layer, and a plain matmul entry point (tests, benchmarks).
+//
+// compute(): hidden [T, H] (fp32 or bf16), topk ids/weights [T, K] -> out[t] = sum_k w[t,k] * expert(x[t])
+// with expert(x) = down(silu(gate x) * up x). Phases, each a parallel_for over dynamically taken tasks:
+//   prepare   tokens -> fp32 rows (float formats) or int8 rows quantised per group (int formats)
+//   gate/up   (expert x block of I rows): both projections for the expert's tokens, silu(g) * u
+//   quantise  int formats: the intermediate rows -> int8 per group
+//   down      (expert x block of H rows) -> one output row per (token, expert) pair
+//   combine   (token x block of H): weighted sum over the token's experts, stored in hidden's dtype
+// Experts with more tokens are scheduled first so that uneven loads balance.
+//
+// Legend: T tokens, H hidden, K top-k, I expert intermediate, E experts, A = T*K (token, expert) pairs.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "hm_types.h"
+#include "thread_pool.h"
+
+namespace hm {
+
+struct ExpertMatrices {
+  Matrix gate, up, down;  // gate/up [I, H], down [H, I]
+};
+
+struct MoEInput {
+  const void* hidden = nullptr;  // [T, H]
+  bool hidden_bf16 = false;      // else float32
+  int64_t tokens = 0, top_k = 0;
+  const int64_t* ids = nullptr;  // [T, K], each in [0, E)
+  const float* weights = nullptr;  // [T, K]
+  void* out = nullptr;           // [T, H], hidden's dtype
+  MatmulPath path = MatmulPath::Auto;
+};
+
+class MoELayer {
+ public:
+  MoELayer(std::vector<ExpertMatrices> experts, int64_t hidden, int64_t intermediate);
+  int64_t num_experts() const { return static_cast<int64_t>(experts_.size()); }
+  int64_t hidden() const { return hidden_; }
+  int64_t intermediate() const { return intermediate_; }
+  // Runs on `pool` (the calling thread joins as thread 0).
+  void compute(const MoEInput& in, const KernelTable& kt, ThreadPool& pool) const;
+
+ private:
+  std::vector<ExpertMatrices> experts_;
+  int64_t hidden_, intermediate_;
+  WFormat fmt_;
+};
+
+// y [M, N] = x [M, K] (fp32, row stride ldx) @ W^T, on `pool`.
+void run_matmul(const Matrix& w, const float* x, int64_t m, int64_t ldx, float* y, MatmulPath path,
+                const KernelTable& kt, ThreadPool& pool);
+
+// Quantises one row x[0, k) (zero beyond k, up to padded) to int8 per group: q = rint(x * 127 / amax),
+// scale = amax / 127, qsum = scale * sum(q). A group holding a NaN/Inf gets q = 0 and scale = NaN.
+void quantize_row(const float* x, int64_t k, int64_t padded, int group, int8_t* q, float* scale, float* qsum);
+
+// Bytes per second of reading `words` 64-bit words from p, split over the pool's threads (best of `repeats`).
+double measure_read_bandwidth(const uint64_t* p, int64_t words, int repeats, const KernelTable& kt, ThreadPool& pool);
+// Float ops per second of register-only FMA chains on every thread of the pool.
+double measure_fma_peak(double seconds, const KernelTable& kt, ThreadPool& pool);
+
+}  // namespace hm

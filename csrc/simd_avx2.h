@@ -1,0 +1,74 @@
+// The AVX2+FMA+F16C vector vocabulary the templated kernels (kernels_simd.h) are written in.
+// Included only by translation units compiled with -mavx2 -mfma -mf16c.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace hm {
+
+struct Avx2 {
+  static constexpr int W = 8;  // floats per vector
+  using F = __m256;
+
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c
+  static float hsum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+
+  // W weights -> floats.
+  static F load_bf16(const uint16_t* p) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  }
+  static F load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  // e4m3fn codes -> value * 2^-120 (exact, subnormals included; NaN codes are caught by fp8_nan_scan).
+  static F load_fp8(const uint8_t* p) {
+    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    v = _mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(static_cast<int>(0x87F00000u)));
+    return _mm256_castsi256_ps(v);
+  }
+
+  // e^x, relative error ~2e-7 (Cephes polynomial); NaN propagates.
+  static F exp(F x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x);
+    x = _mm256_max_ps(_mm256_set1_ps(-88.3762626647949f), x);
+    F n = _mm256_floor_ps(fma(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    F y = _mm256_set1_ps(1.9875691500e-4f);
+    y = fma(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = fma(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = fma(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = fma(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = fma(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = fma(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  }
+
+  // Integer dot products over 32 bytes, accumulated into 8 int32 lanes (lane l holds bytes 4l..4l+3).
+  // u: unsigned weights 0..15 (int4 + 8); s: int8 activations in [-127, 127].
+  static __m256i dot_u4(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+  // w: int8 weights in [-127, 127]; result offset kI8Offset * sum(s) (none here: sign trick).
+  static constexpr int kI8Offset = 0;
+  static __m256i dot_i8(__m256i acc, __m256i w, __m256i s) {
+    const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(s, s), _mm256_sign_epi8(w, s));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
+  }
+};
+
+}  // namespace hm

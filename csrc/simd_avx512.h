@@ -1,0 +1,63 @@
+// The AVX-512 vector vocabulary for the templated kernels (kernels_simd.h): 16-float vectors for the float
+// formats, and AVX512-VNNI (vpdpbusd on 256-bit vectors) for the int4/int8 dot products.
+// Included only by the translation unit compiled with the AVX-512 flags.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace hm {
+
+struct Avx512 {
+  static constexpr int W = 16;
+  using F = __m512;
+
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static float hsum(F v) { return _mm512_reduce_add_ps(v); }
+
+  static F load_bf16(const uint16_t* p) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  }
+  static F load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F load_fp8(const uint8_t* p) {
+    __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    v = _mm512_and_si512(_mm512_slli_epi32(v, 20), _mm512_set1_epi32(static_cast<int>(0x87F00000u)));
+    return _mm512_castsi512_ps(v);
+  }
+
+  static F exp(F x) {
+    x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), x);
+    x = _mm512_max_ps(_mm512_set1_ps(-88.3762626647949f), x);
+    F n = _mm512_roundscale_ps(fma(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                               _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    F y = _mm512_set1_ps(1.9875691500e-4f);
+    y = fma(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = fma(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = fma(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = fma(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = fma(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = fma(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  }
+
+  static __m256i dot_u4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+  // vpdpbusd wants unsigned x signed: weights + 128 (xor 0x80), corrected by -128 * sum(s) afterwards.
+  static constexpr int kI8Offset = 128;
+  static __m256i dot_i8(__m256i acc, __m256i w, __m256i s) {
+    return _mm256_dpbusd_epi32(acc, _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))), s);
+  }
+};
+
+}  // namespace hm

@@ -1,0 +1,107 @@
+"""FusedMoE: one layer's routed experts computed by the C++ kernels, asynchronously.
+
+`submit(hidden, topk_ids, topk_weights)` checks its inputs, queues the computation on the kernels' executor and
+returns at once; `wait(handle)` blocks (without the GIL) and returns [T, H] in hidden's dtype. In between,
+Python is free to run other work (accelerator kernels of another micro-batch). The weights are the caller's
+tensors, used in place (no copy).
+
+Legend: T tokens, H hidden, K top-k, I expert intermediate, E experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridmoe.kernels import _native
+from hybridmoe.kernels.weights import kernel_matrix
+
+PATHS = ("auto", "gemv", "gemm")
+
+
+@dataclass
+class MoEHandle:
+    """A submitted computation; pass it to FusedMoE.wait."""
+
+    native: Any  # _native.MoEHandle, or None when there was nothing to compute
+    out: torch.Tensor
+    result_dtype: torch.dtype
+
+    def done(self) -> bool:
+        return self.native is None or self.native.done()
+
+
+class FusedMoE:
+    """Routed experts of one layer in one format ("f32"/"bf16"/"f16"/"fp8"/"int4"/"int8")."""
+
+    def __init__(self, fmt: str, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor],
+                 gate_scale: list[torch.Tensor] | None = None, up_scale: list[torch.Tensor] | None = None,
+                 down_scale: list[torch.Tensor] | None = None, *, hidden_size: int, intermediate_size: int,
+                 block: tuple[int, int] = (128, 128)):
+        if not gate:
+            raise ValueError("FusedMoE needs at least one expert")
+        self.fmt, self.hidden_size, self.intermediate_size = fmt, hidden_size, intermediate_size
+        H, I = hidden_size, intermediate_size
+        scales = {"gate": gate_scale, "up": up_scale, "down": down_scale}
+        matrices: dict[str, list] = {"gate": [], "up": [], "down": []}
+        for name, tensors, cols in (("gate", gate, H), ("up", up, H), ("down", down, I)):
+            s = scales[name]
+            if s is not None and len(s) != len(tensors):
+                raise ValueError(f"{name}_scale: {len(s)} scales for {len(tensors)} experts")
+            for e, t in enumerate(tensors):
+                matrices[name].append(kernel_matrix(fmt, t, s[e] if s is not None else None, cols=cols,
+                                                    block=block, name=f"expert {e} {name}"))
+        self._native = _native.MoE(matrices["gate"], matrices["up"], matrices["down"], H, I)
+        self._tensors = (gate, up, down, gate_scale, up_scale, down_scale)  # keep the memory alive
+        self.nbytes = sum(t.numel() * t.element_size() for group in self._tensors if group for t in group)
+
+    @property
+    def num_experts(self) -> int:
+        return self._native.num_experts
+
+    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               path: str = "auto") -> MoEHandle:
+        """hidden [T, H] (bf16, fp16 or fp32), topk_ids [T, K] int, topk_weights [T, K] -> handle (at once)."""
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden must be [T, {self.hidden_size}], got {list(hidden.shape)}")
+        if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
+            raise ValueError(f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} "
+                             f"must both be [T, K] with T = {hidden.shape[0]}")
+        if topk_ids.dtype.is_floating_point:
+            raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+        result_dtype = hidden.dtype
+        if hidden.dtype not in (torch.float32, torch.bfloat16):  # fp16 computes through fp32
+            hidden = hidden.float()
+        hidden = hidden.contiguous()
+        ids = topk_ids.to(torch.int64).contiguous()
+        weights = topk_weights.to(torch.float32).contiguous()
+        out = torch.empty(hidden.shape, dtype=hidden.dtype)
+        if hidden.shape[0] == 0:
+            return MoEHandle(None, out, result_dtype)
+        native = self._native.submit(hidden, ids, weights, out, path)
+        return MoEHandle(native, out, result_dtype)
+
+    def wait(self, handle: MoEHandle) -> torch.Tensor:
+        """Block until `handle` is done; returns [T, H] in the submitted hidden's dtype."""
+        if handle.native is not None:
+            handle.native.wait()
+        return handle.out if handle.out.dtype == handle.result_dtype else handle.out.to(handle.result_dtype)
+
+    def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 path: str = "auto") -> torch.Tensor:
+        return self.wait(self.submit(hidden, topk_ids, topk_weights, path))
+
+
+def matmul(w: _native.Matrix, x: torch.Tensor, path: str = "auto") -> torch.Tensor:
+    """x [M, K] float32 @ W^T -> [M, N] float32 on the kernels (blocking)."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    x = x.float().contiguous()
+    out = torch.empty(x.shape[0], w.rows, dtype=torch.float32)
+    if x.shape[0]:
+        _native.matmul(w, x, out, path)
+    return out

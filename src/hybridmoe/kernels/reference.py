@@ -1,0 +1,55 @@
+"""Float64 references of the kernels: dequantised matmul per format and the routed-expert MoE.
+
+Legend: T tokens, H hidden, K top-k, I intermediate, N output rows, Kw input columns, M tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmoe.kernels import formats
+
+
+def dequantize(fmt: str, data: torch.Tensor, scales: torch.Tensor | None = None, *, cols: int | None = None,
+               block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """Any kernel weight format -> float64 [N, Kw]."""
+    if fmt in ("f32", "bf16", "f16", "dense"):
+        return data.double()
+    if fmt == "fp8":
+        return formats.dequantize_fp8(data, scales, block)
+    if fmt in formats.INT_FORMATS:
+        if cols is None:
+            raise ValueError("int formats need the logical column count `cols`")
+        return formats.dequantize_int(fmt, data, scales, cols)
+    raise ValueError(f"unknown weight format {fmt!r}")
+
+
+def int_matmul_reference(fmt: str, data: torch.Tensor, scales: torch.Tensor, cols: int,
+                         x: torch.Tensor) -> torch.Tensor:
+    """What the int kernels compute, in float64: x [M, Kw] quantised per group as the kernels do, exact
+    integer group sums, scaled by weight and activation scales -> [M, N]."""
+    codes = formats.int_codes(fmt, data).long()  # [N, Kp]
+    rows, kp = codes.shape
+    group = kp // scales.shape[1]
+    xq, xs = formats.quantize_activations(x, kp, group)  # [M, Kp], [M, G]
+    sums = torch.einsum("ngk,mgk->mng", codes.view(rows, -1, group), xq.long().view(x.shape[0], -1, group))
+    return (sums.double() * scales.double()[None] * xs.double()[:, None, :]).sum(-1)  # [M, N]
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1 + torch.exp(-x))
+
+
+def moe_reference(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """float64 [T, H]: sum_k w[t, k] * down_e(silu(gate_e x_t) * up_e x_t), grouped by expert.
+
+    experts: per expert (gate [I, H], up [I, H], down [H, I]) as float64 (see `dequantize`)."""
+    x = hidden.double()  # [T, H]
+    out = torch.zeros_like(x)
+    for e in topk_ids.unique().tolist():
+        token, slot = (topk_ids == e).nonzero(as_tuple=True)  # the (t, k) pairs routed to e
+        gate, up, down = experts[e]
+        h = silu(x[token] @ gate.T) * (x[token] @ up.T)  # [n, I]
+        out.index_add_(0, token, (h @ down.T) * topk_weights[token, slot].double()[:, None])
+    return out

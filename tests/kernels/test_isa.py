@@ -1,0 +1,65 @@
+"""ISA detection and selection: what runs, what HYBRIDMOE_ISA forces, clear errors for what cannot run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hybridmoe.kernels import isa
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=60)
+
+
+def test_best_available_isa_is_selected_by_default():
+    available = isa.available_isas()
+    assert available[-1] == "scalar"
+    result = _run("from hybridmoe.kernels import isa; print(isa.active_isa())", HYBRIDMOE_ISA="")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == available[0]
+
+
+def test_avx2_path_follows_the_cpu_features():
+    features = isa.cpu_features()
+    has_avx2 = features["avx"] and features["avx2"] and features["fma"] and features["f16c"]
+    assert ("avx2" in isa.available_isas()) == has_avx2
+    assert ("avx512" in isa.available_isas()) == (features["avx512f"] and features["avx512bw"] and
+                                                  features["avx512vl"] and features["avx512dq"] and
+                                                  features["avx512_vnni"] and has_avx2)
+
+
+@pytest.mark.parametrize("name", isa.available_isas())
+def test_env_var_forces_an_available_isa(name):
+    result = _run("from hybridmoe.kernels import isa; print(isa.active_isa())", HYBRIDMOE_ISA=name)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == name
+
+
+def test_env_var_naming_an_unknown_isa_is_a_clear_error():
+    result = _run("from hybridmoe.kernels import isa; isa.active_isa()", HYBRIDMOE_ISA="sse9")
+    assert result.returncode != 0
+    assert "HYBRIDMOE_ISA=sse9" in result.stderr and "unknown ISA" in result.stderr
+
+
+def test_unavailable_isa_cannot_be_forced():
+    missing = [name for name in isa.all_isas() if name not in isa.available_isas()]
+    if not missing:
+        pytest.skip("every ISA runs on this CPU")
+    reason = isa.unavailable_reason(missing[0])
+    assert "lacks" in reason or "no " in reason
+    with pytest.raises(ValueError, match=missing[0]):
+        isa.set_isa(missing[0])
+    result = _run("from hybridmoe.kernels import isa; isa.active_isa()", HYBRIDMOE_ISA=missing[0])
+    assert result.returncode != 0 and "cannot run" in result.stderr
+
+
+def test_use_isa_restores_the_previous_one():
+    before = isa.active_isa()
+    with isa.use_isa("scalar"):
+        assert isa.active_isa() == "scalar"
+    assert isa.active_isa() == before

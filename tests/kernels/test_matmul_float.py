@@ -1,0 +1,101 @@
+"""Float-format matmul kernels (f32, bf16, f16, fp8 block-scaled) against float64, on every ISA path here:
+GEMV and tiled GEMM paths, odd sizes, partial fp8 blocks, fp8 subnormals and NaN codes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmoe.kernels import reference
+from hybridmoe.kernels.moe import matmul
+from hybridmoe.kernels.weights import kernel_matrix
+from kernel_testing import random_fp8
+
+SHAPES = [(1, 1), (5, 7), (37, 100), (64, 256), (131, 300)]  # (N rows, K cols)
+TOKENS = [1, 2, 3, 5, 9, 17]
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, rtol: float = 3e-6) -> None:
+    """|out - x @ W^T| <= rtol * (|x| @ |W|^T) elementwise (float32 accumulation of K products)."""
+    ref = x.double() @ w64.T
+    bound = rtol * (x.double().abs() @ w64.abs().T) * (x.shape[1] ** 0.5) + 1e-30
+    err = (out.double() - ref).abs()
+    assert torch.isfinite(out).all()
+    assert (err <= bound).all(), f"max error {err.max().item():.3g}, worst ratio {(err / bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("fmt,dtype", [("f32", torch.float32), ("bf16", torch.bfloat16), ("f16", torch.float16)])
+@pytest.mark.parametrize("path", ["gemv", "gemm"])
+def test_dense_formats(each_isa, fmt, dtype, path):
+    gen = torch.Generator().manual_seed(hash((fmt, path, each_isa)) % 2**31)
+    for rows, cols in SHAPES:
+        w = torch.randn(rows, cols, generator=gen).to(dtype)
+        m = kernel_matrix(fmt, w)
+        for tokens in TOKENS:
+            x = torch.randn(tokens, cols, generator=gen)
+            _check(matmul(m, x, path), x, w.double())
+
+
+@pytest.mark.parametrize("block", [(128, 128), (32, 48)])
+@pytest.mark.parametrize("path", ["gemv", "gemm", "auto"])
+def test_fp8_block_scaled(each_isa, block, path):
+    gen = torch.Generator().manual_seed(hash((block, path, each_isa)) % 2**31)
+    for rows, cols in SHAPES + [(200, 1100)]:  # partial last blocks; K chunked on the GEMM path
+        q, s = random_fp8(rows, cols, block, gen)
+        w64 = reference.dequantize("fp8", q, s, block=block)
+        m = kernel_matrix("fp8", q, s, block=block)
+        for tokens in TOKENS:
+            x = torch.randn(tokens, cols, generator=gen)
+            _check(matmul(m, x, path), x, w64)
+
+
+def test_fp8_subnormals_decode_exactly(each_isa):
+    gen = torch.Generator().manual_seed(7)
+    q, s = random_fp8(40, 264, (128, 128), gen, subnormal_only=True)
+    w64 = reference.dequantize("fp8", q, s)
+    assert (w64 != 0).any() and (w64.abs() < 2.0 ** -6 * s.double().max()).all()
+    m = kernel_matrix("fp8", q, s)
+    for tokens, path in [(1, "gemv"), (3, "gemv"), (9, "gemm")]:
+        x = torch.randn(tokens, 264, generator=gen)
+        _check(matmul(m, x, path), x, w64)
+
+
+@pytest.mark.parametrize("tokens,path", [(1, "gemv"), (2, "gemv"), (9, "gemm")])
+def test_fp8_nan_codes_give_nan_rows(each_isa, tokens, path):
+    gen = torch.Generator().manual_seed(11)
+    q, s = random_fp8(50, 300, (128, 128), gen)
+    codes = q.view(torch.uint8).clone()
+    codes[3, 17] = 0x7F
+    codes[10, 299] = 0xFF  # in the row's tail (300 is not a multiple of the vector width)
+    codes[49, 128] = 0x7F
+    q = codes.view(torch.float8_e4m3fn)
+    x = torch.randn(tokens, 300, generator=gen)
+    out = matmul(kernel_matrix("fp8", q, s), x, path)
+    nan_rows = [3, 10, 49]
+    assert torch.isnan(out[:, nan_rows]).all()
+    keep = [r for r in range(50) if r not in nan_rows]
+    _check(out[:, keep], x, reference.dequantize("fp8", q, s)[keep])
+
+
+def test_rows_of_a_strided_view_are_used_in_place(each_isa):
+    gen = torch.Generator().manual_seed(3)
+    big = torch.randn(16, 80, generator=gen)
+    w = big[:, :50]  # rows contiguous, row stride 80
+    x = torch.randn(2, 50, generator=gen)
+    _check(matmul(kernel_matrix("f32", w), x), x, w.double())
+
+
+def test_bad_inputs_are_clear_errors():
+    with pytest.raises(ValueError, match="dtype must be bfloat16"):
+        kernel_matrix("bf16", torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        kernel_matrix("f32", torch.zeros(8, 4).T)
+    q, s = random_fp8(10, 20, (128, 128), torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"scales: expected shape \[1, 1\], got \[2, 1\]"):
+        kernel_matrix("fp8", q, torch.ones(2, 1))
+    with pytest.raises(ValueError, match="out of range"):
+        kernel_matrix("fp8", q, torch.full((1, 1), 1e6))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernel_matrix("fp8", q, s, block=(128, 100))
+    with pytest.raises(ValueError, match="unknown weight format"):
+        kernel_matrix("fp4", q)
