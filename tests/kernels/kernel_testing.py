@@ -24,3 +24,40 @@ def random_int(fmt: str, rows: int, cols: int, group: int, scale_dtype: torch.dt
     w = torch.randn(rows, cols, generator=gen) * torch.empty(rows, 1).uniform_(0.1, 3, generator=gen)
     quantize = formats.quantize_int4 if fmt == "int4" else formats.quantize_int8
     return quantize(w, group, scale_dtype)
+
+
+def random_experts(fmt: str, num_experts: int, hidden: int, inter: int, gen: torch.Generator,
+                   group: int = 32, scale_dtype: torch.dtype = torch.bfloat16, block=(128, 128)):
+    """Random routed experts in `fmt` -> (FusedMoE keyword arguments, float64 (gate, up, down) per expert)."""
+    from hybridmoe.kernels import reference
+
+    tensors = {"gate": [], "up": [], "down": []}
+    scales = {"gate": [], "up": [], "down": []}
+    exact = []
+    for _ in range(num_experts):
+        expert = []
+        for name, (rows, cols) in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+            w = torch.randn(rows, cols, generator=gen) * cols ** -0.5
+            if fmt in ("f32", "bf16", "f16"):
+                data, scale = w.to({"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[fmt]), None
+            elif fmt == "fp8":
+                data, scale = random_fp8(rows, cols, block, gen)
+                scale = scale * cols ** -0.5 / 50
+            else:
+                data, scale = random_int(fmt, rows, cols, group, scale_dtype, gen)
+            tensors[name].append(data)
+            scales[name].append(scale)
+            expert.append(reference.dequantize(fmt, data, scale, cols=cols, block=block))
+        exact.append(tuple(expert))
+    kwargs = dict(fmt=fmt, gate=tensors["gate"], up=tensors["up"], down=tensors["down"],
+                  hidden_size=hidden, intermediate_size=inter, block=block)
+    if scales["gate"][0] is not None:
+        kwargs.update(gate_scale=scales["gate"], up_scale=scales["up"], down_scale=scales["down"])
+    return kwargs, exact
+
+
+def random_routing(tokens: int, top_k: int, num_experts: int, gen: torch.Generator):
+    """topk_ids [T, K] (distinct experts per token) and positive float32 weights [T, K]."""
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    return ids, weights / weights.sum(-1, keepdim=True)

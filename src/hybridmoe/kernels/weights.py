@@ -52,6 +52,9 @@ def kernel_matrix(fmt: str, data: torch.Tensor, scales: torch.Tensor | None = No
     if fmt in formats.INT_FORMATS:
         if cols is None or scales is None:
             raise ValueError(f"{name}: {fmt} weights need their scales and logical column count `cols`")
+        expected = torch.uint8 if fmt == "int4" else torch.int8
+        if data.dtype != expected:
+            raise ValueError(f"{name}: {fmt} data dtype must be {expected}, got {data.dtype}")
         if scales.dim() != 2 or scales.shape[1] == 0:
             raise ValueError(f"{name}: {fmt} scales must be [N, groups], got {list(scales.shape)}")
         stored_cols = data.shape[1] * (2 if fmt == "int4" else 1)

@@ -1,0 +1,112 @@
+"""INT4 / INT8 per-group kernels (int8 activations, maddubs / VNNI dot products) and their quantisers, on every
+ISA path here: exact emulation of the kernels' arithmetic, closeness to the float64 product, odd sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmoe.kernels import _native, formats, reference
+from hybridmoe.kernels.moe import matmul
+from hybridmoe.kernels.weights import kernel_matrix
+from kernel_testing import random_int
+
+SHAPES = [(1, 1), (5, 7), (37, 100), (64, 256), (131, 300), (20, 1100)]  # (N, K); 1100: K chunks on GEMM
+TOKENS = [1, 2, 3, 5, 9, 17]
+CASES = [(fmt, group, dtype) for fmt in formats.INT_FORMATS for group in formats.INT_GROUPS
+         for dtype in formats.INT_SCALE_DTYPES]
+
+
+@pytest.mark.parametrize("fmt,group,scale_dtype", CASES)
+@pytest.mark.parametrize("path", ["gemv", "gemm"])
+def test_int_kernels_match_their_exact_arithmetic(each_isa, fmt, group, scale_dtype, path):
+    """Integer group sums are exact; only the float combination of scaled group sums rounds."""
+    gen = torch.Generator().manual_seed(hash((fmt, group, str(scale_dtype), path, each_isa)) % 2**31)
+    for rows, cols in SHAPES:
+        data, scales = random_int(fmt, rows, cols, group, scale_dtype, gen)
+        m = kernel_matrix(fmt, data, scales, cols=cols)
+        for tokens in TOKENS:
+            x = torch.randn(tokens, cols, generator=gen)
+            ref = reference.int_matmul_reference(fmt, data, scales, cols, x)
+            magnitude = x.double().abs() @ reference.dequantize(fmt, data, scales, cols=cols).abs().T
+            err = (matmul(m, x, path).double() - ref).abs()
+            assert (err <= 1e-5 * magnitude + 1e-6).all(), f"{rows}x{cols} T={tokens}: max error {err.max():.3g}"
+
+
+@pytest.mark.parametrize("fmt,group,scale_dtype", CASES)
+def test_int_kernels_approximate_the_float_product(fmt, group, scale_dtype):
+    """Against float64 of the dequantised weights and unquantised activations: only the int8 activation
+    rounding (half a step of amax/127 per element) separates them."""
+    gen = torch.Generator().manual_seed(5)
+    rows, cols = 64, 1000
+    data, scales = random_int(fmt, rows, cols, group, scale_dtype, gen)
+    w64 = reference.dequantize(fmt, data, scales, cols=cols)
+    x = torch.randn(4, cols, generator=gen)
+    err = (matmul(kernel_matrix(fmt, data, scales, cols=cols), x).double() - x.double() @ w64.T).abs()
+    step = x.abs().max() / 127 / 2  # the largest activation rounding error
+    assert (err <= step * w64.abs().sum(1)[None] * 0.2).all()
+
+
+@pytest.mark.parametrize("fmt,qmax", [("int4", formats.INT4_MAX), ("int8", formats.INT8_MAX)])
+@pytest.mark.parametrize("group", formats.INT_GROUPS)
+@pytest.mark.parametrize("scale_dtype", formats.INT_SCALE_DTYPES)
+def test_quantiser_round_trip(fmt, qmax, group, scale_dtype):
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(33, 300, generator=gen) * 0.05
+    data, scales = (formats.quantize_int4 if fmt == "int4" else formats.quantize_int8)(w, group, scale_dtype)
+    kp = formats.padded_cols(300, group)
+    assert scales.shape == (33, kp // group) and scales.dtype == scale_dtype
+    assert data.shape == ((33, kp // 2) if fmt == "int4" else (33, kp))
+    codes = formats.int_codes(fmt, data)
+    assert codes.min() >= -8 if fmt == "int4" else codes.min() >= -qmax
+    assert codes.max() <= qmax
+    assert (codes[:, 300:] == 0).all()  # padding
+    per_col_scale = scales.double().repeat_interleave(group, 1)[:, :300]
+    err = (reference.dequantize(fmt, data, scales, cols=300) - w.double()).abs()
+    # rounding to the nearest code: half a step, plus the scale's own rounding stretching the largest codes
+    rel_scale_rounding = 2.0 ** -8 if scale_dtype == torch.bfloat16 else 2.0 ** -11
+    assert (err <= per_col_scale * (0.5 + qmax * rel_scale_rounding) + 1e-12).all()
+
+
+def test_int4_packing_round_trip():
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(-8, 8, (7, 96), generator=gen, dtype=torch.int8)
+    packed = formats.pack_int4(q)
+    assert packed.shape == (7, 48) and packed.dtype == torch.uint8
+    assert torch.equal(formats.unpack_int4(packed), q)
+    assert packed[0, 0].item() == (q[0, 0] + 8).item() | ((q[0, 16] + 8).item() << 4)
+
+
+def test_activation_quantiser_matches_its_reference_exactly():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 300, generator=gen) * torch.logspace(-3, 3, 6)[:, None]
+    x[2, 40] = float("nan")  # its group: q = 0, scale NaN
+    x[3, :] = 0.0  # all-zero groups: q = 0, scale 0
+    for group in formats.INT_GROUPS:
+        padded = formats.padded_cols(300, group)
+        q, scale, qsum = _native.quantize_rows(x.numpy(), padded, group)
+        ref_q, ref_scale = formats.quantize_activations(x, padded, group)
+        assert torch.equal(torch.from_numpy(q).int(), ref_q)
+        assert torch.equal(torch.from_numpy(scale).isnan(), ref_scale.isnan())
+        finite = ~ref_scale.isnan()
+        assert torch.equal(torch.from_numpy(scale)[finite], ref_scale[finite])
+        sums = ref_q.view(6, -1, group).sum(-1).float() * ref_scale
+        assert torch.allclose(torch.from_numpy(qsum)[finite], sums[finite], rtol=1e-6, atol=0)
+    assert torch.isnan(torch.from_numpy(scale)[2, 0])
+
+
+def test_quantiser_rejects_what_it_cannot_represent():
+    with pytest.raises(ValueError, match="group size"):
+        formats.quantize_int4(torch.ones(2, 64), group=64)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        formats.quantize_int8(torch.tensor([[1.0, float("inf")]]), group=32)
+    with pytest.raises(ValueError, match="overflows"):
+        formats.quantize_int8(torch.full((1, 32), 1e7), group=32, scale_dtype=torch.float16)
+
+
+def test_bad_int_matrices_are_clear_errors():
+    data, scales = formats.quantize_int4(torch.randn(4, 100), 32)
+    with pytest.raises(ValueError, match=r"expected shape \[4, 112\], got \[4, 64\]"):
+        kernel_matrix("int4", data, scales, cols=200)  # 200 columns pad to 224: 112 bytes a row
+    with pytest.raises(ValueError, match="int8 data dtype must be torch.int8"):
+        kernel_matrix("int8", data, scales, cols=100)
