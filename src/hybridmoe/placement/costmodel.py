@@ -1,0 +1,222 @@
+"""Cost model primitives: how long one piece of work takes on the CPU, on the accelerator, or on the link.
+
+Every primitive is a roofline over the machine's profile: time = max(bytes / achieved bandwidth,
+FLOPs / achieved arithmetic rate), with achieved = datasheet x measured efficiency, or read from a measured
+table where the profile has one (tables win: they are this machine). CPU expert kernels also pay the cost of
+unpacking each weight (FP8/INT4 -> fp32) once per call, which bounds GEMV speed on small CPUs, and a fixed
+dispatch cost per call.
+
+The one fitted constant of the model lives here: FITTED_DISPATCH_US, the fixed cost of one call of the CPU
+expert kernels in a decode or hybrid step (thread wake-up across sockets, synchronisation with the
+accelerator), used for CPUs whose profile has no measured `dispatch_us`. It was fitted on exactly one
+published figure (see placement/paper.py, which re-derives it); every other number comes from a profile.
+Attention kernels are assumed to reach the GPU's matmul efficiency unless the profile measured them.
+Legend: T tokens, W weights, C context, K top-k.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from hybridmoe.placement.formats import WeightFormat, weight_format
+from hybridmoe.placement.hardware import GpuSpec, Machine, ProfileError, Table
+from hybridmoe.placement.modelspec import ModelSpec
+from hybridmoe.placement.routing import RoutingStats
+
+# Fitted on the paper's 21.5 tok/s FP8 decode (DeepSeek-V3, one RTX 5090, dual-socket CPU) by
+# hybridmoe.placement.paper.fit_dispatch_us(); a test checks that the fit reproduces this value.
+FITTED_DISPATCH_US = 20.0
+
+ACTIVATION_BYTES = 2  # hidden states cross the link in bf16
+ROUTER_FORMAT = "bf16"
+
+
+def interpolate(table: Table, x: float) -> float:
+    """Log-log interpolation in a measured (x, y) table; beyond either end the nearest y."""
+    xs = np.log([p[0] for p in table])
+    ys = np.log([p[1] for p in table])
+    return float(np.exp(np.interp(math.log(max(x, 1e-9)), xs, ys)))
+
+
+class CostModel:
+    """Times of the pieces of a forward pass of `spec` on `machine` with the given weight formats."""
+
+    def __init__(self, machine: Machine, spec: ModelSpec, expert_format: str | None = None,
+                 dense_format: str | None = None, routing: RoutingStats | None = None, mla_form: str = "auto",
+                 attention_efficiency: float | None = None, dispatch_us: float | None = None):
+        self.machine, self.spec = machine, spec
+        self.cpu, self.gpu = machine.cpu, machine.gpu
+        self.expert_fmt: WeightFormat = weight_format(expert_format or spec.native_format)
+        self.dense_fmt: WeightFormat = weight_format(dense_format or spec.native_format)
+        self.mla_form = mla_form
+        moe_layers = tuple(l.index for l in spec.moe_layers)
+        self.routing = routing or RoutingStats.uniform(moe_layers, spec.num_experts, spec.top_k)
+        if spec.moe_layers:
+            self.routing.check_model(moe_layers, spec.num_experts, spec.top_k)
+        self.row_of_layer = {layer: row for row, layer in enumerate(moe_layers)}
+        gpu_eff = (self.gpu.attention_efficiency or self.gpu.matmul_efficiency) if self.gpu else None
+        self.attention_efficiency = attention_efficiency or gpu_eff
+        self.dispatch_s = 1e-6 * (dispatch_us if dispatch_us is not None else
+                                  self.cpu.dispatch_us if self.cpu.dispatch_us is not None else FITTED_DISPATCH_US)
+        self._check_formats()
+
+    def _check_formats(self) -> None:
+        for fmt in {self.expert_fmt, self.dense_fmt}:
+            if self.gpu is not None and not self.gpu.matmul_table and fmt.accelerator_compute not in self.gpu.peak_tflops:
+                raise ProfileError(f"{self.gpu.name}: no '{fmt.accelerator_compute}' matmul rate for weight format "
+                                   f"{fmt.name} (profile has {', '.join(self.gpu.peak_tflops)})")
+
+    # ---- sizes (bytes) ---------------------------------------------------------------------------------
+    @functools.cached_property
+    def expert_bytes(self) -> float:
+        return self.expert_fmt.nbytes(self.spec.moe_layers[0].expert) if self.spec.moe_layers else 0.0
+
+    def part_bytes(self, layer: int, part: str) -> float:
+        shape = self.spec.layers[layer]
+        if part == "router":
+            return weight_format(ROUTER_FORMAT).nbytes(shape.router)
+        weights = {"attention": shape.attention, "shared": shape.shared_experts, "dense": shape.dense_mlp}[part]
+        return self.dense_fmt.nbytes(weights)
+
+    @property
+    def lm_head_bytes(self) -> float:
+        return self.dense_fmt.nbytes(self.spec.lm_head or self.spec.embedding)
+
+    def layer_expert_bytes(self, layer: int) -> float:
+        return self.expert_bytes * self.spec.layers[layer].num_experts
+
+    # ---- accelerator -----------------------------------------------------------------------------------
+    def _gpu(self) -> GpuSpec:
+        if self.gpu is None:
+            raise ProfileError(f"machine {self.machine.name} has no accelerator")
+        return self.gpu
+
+    def gpu_bandwidth(self) -> float:
+        gpu = self._gpu()
+        return gpu.memory_gbs * 1e9 * gpu.memory_efficiency
+
+    def gpu_rate(self, compute: str, tokens: float) -> float:
+        """Achieved matmul FLOP/s at `tokens` rows for a compute key (fp32|bf16|fp8|int8)."""
+        gpu = self._gpu()
+        table = gpu.matmul_table.get(compute)
+        if table:
+            return interpolate(table, tokens) * 1e12
+        return gpu.peak_tflops[compute] * 1e12 * gpu.matmul_efficiency
+
+    def gpu_matmul_s(self, weights: float, tokens: float, fmt: WeightFormat, flops: float | None = None) -> float:
+        """W weights in `fmt` multiplied with T token rows (flops defaults to 2*W*T)."""
+        if weights <= 0 and not flops:
+            return 0.0
+        work = 2.0 * weights * tokens if flops is None else flops
+        return max(fmt.nbytes(weights) / self.gpu_bandwidth(), work / self.gpu_rate(fmt.accelerator_compute, tokens))
+
+    def gpu_attention_s(self, queries: int, context_before: int, sequences: int = 1) -> float:
+        """One layer's attention half for `sequences` sequences of `queries` new tokens each."""
+        spec = self.spec
+        linear = spec.attention_linear_flops(queries, context_before, self.mla_form) * sequences
+        pairs = spec.attention_pair_flops(queries, context_before, self.mla_form) * sequences
+        weights = spec.layers[0].attention
+        matmul = self.gpu_matmul_s(weights, queries * sequences, self.dense_fmt, flops=linear)
+        gpu = self._gpu()
+        if gpu.attention_table:
+            rate = interpolate(gpu.attention_table, context_before + queries) * 1e12
+        else:
+            rate = gpu.peak_tflops["bf16"] * 1e12 * self.attention_efficiency
+        kv = sequences * (context_before + queries) * spec.kv_values_per_token * 2
+        return matmul + max(pairs / rate, kv / self.gpu_bandwidth())
+
+    def gpu_experts_s(self, experts: float, pairs: float) -> float:
+        """Grouped GEMM over `experts` routed experts that together see `pairs` (token, expert) pairs."""
+        if experts <= 0:
+            return 0.0
+        w = self.spec.moe_layers[0].expert
+        rows = pairs / experts  # tokens per expert sets the GEMM shape
+        return max(experts * self.expert_bytes / self.gpu_bandwidth(),
+                   2.0 * w * pairs / self.gpu_rate(self.expert_fmt.accelerator_compute, rows))
+
+    # ---- CPU -------------------------------------------------------------------------------------------
+    def cpu_bandwidth(self, copying: bool = False) -> float:
+        bw = self.cpu.memory_read_gbs * 1e9 * self.cpu.stream_efficiency
+        return bw * self.copy_slowdown() if copying else bw
+
+    def copy_slowdown(self) -> float:
+        """Fraction of CPU memory bandwidth left while host->device copies stream from host memory:
+        measured, or derived as 1 - (link bandwidth / memory bandwidth) per GPU streaming."""
+        if self.cpu.copy_slowdown is not None:
+            return self.cpu.copy_slowdown
+        if self.gpu is None:
+            return 1.0
+        streaming = self.gpu.h2d_gbs * max(1, self.machine.num_gpus)
+        return max(0.05, 1.0 - streaming / self.cpu.memory_read_gbs)
+
+    def cpu_matmul_s(self, weights: float, tokens: float, fmt: WeightFormat, copying: bool = False,
+                     flops: float | None = None) -> float:
+        """W weights in `fmt` times T tokens on the CPU: streaming bound vs unpack + multiply bound."""
+        if weights <= 0 and not flops:
+            return 0.0
+        work = 2.0 * weights * tokens if flops is None else flops
+        memory = fmt.nbytes(weights) / self.cpu_bandwidth(copying)
+        unpack = weights / (self.cpu.decode_gweights_s[fmt.name] * 1e9) if fmt.name in self.cpu.decode_gweights_s else 0.0
+        return max(memory, unpack + work / (self.cpu.peak_tflops * 1e12 * self.cpu.matmul_efficiency))
+
+    def cpu_experts_s(self, experts: float, pairs: float, copying: bool = False) -> float:
+        """Routed experts on the CPU kernels: `experts` distinct experts read, `pairs` (token, expert) pairs."""
+        if experts <= 0:
+            return 0.0
+        w = self.spec.moe_layers[0].expert
+        table = self.cpu.expert_table.get(self.expert_fmt.name)
+        if table:  # measured weight-bytes/s of one call at T tokens per expert (dispatch included)
+            rows = pairs / experts
+            last_t, last_gbs = table[-1]
+            seconds = experts * self.expert_bytes / (interpolate(table, rows) * 1e9)
+            if rows > last_t:  # beyond the table the kernel is compute-bound: time grows with T
+                seconds = experts * self.expert_bytes / (last_gbs * 1e9) * rows / last_t
+            return seconds / (self.copy_slowdown() if copying else 1.0)
+        return self.cpu_matmul_s(w * experts, pairs / experts, self.expert_fmt, copying) + self.dispatch_s
+
+    def cpu_attention_s(self, queries: int, context_before: int, sequences: int = 1) -> float:
+        spec = self.spec
+        linear = spec.attention_linear_flops(queries, context_before, self.mla_form) * sequences
+        pairs = spec.attention_pair_flops(queries, context_before, self.mla_form) * sequences
+        matmul = self.cpu_matmul_s(spec.layers[0].attention, queries * sequences, self.dense_fmt, flops=linear)
+        if self.cpu.attention_table:
+            rate = interpolate(self.cpu.attention_table, context_before + queries) * 1e12
+        else:
+            rate = self.cpu.peak_tflops * 1e12 * self.cpu.matmul_efficiency
+        kv = sequences * (context_before + queries) * spec.kv_values_per_token * 2
+        return matmul + max(pairs / rate, kv / self.cpu_bandwidth())
+
+    # ---- link ------------------------------------------------------------------------------------------
+    def h2d_s(self, nbytes: float) -> float:
+        gpu = self._gpu()
+        return gpu.link_latency_us * 1e-6 + nbytes / (self.h2d_gbs() * 1e9)
+
+    def h2d_gbs(self) -> float:
+        """Per-GPU host->device bandwidth, capped by what host memory can feed all GPUs at once."""
+        gpu = self._gpu()
+        feed = self.cpu.memory_read_gbs * self.cpu.stream_efficiency / max(1, self.machine.num_gpus)
+        return min(gpu.h2d_gbs, feed)
+
+    def d2h_s(self, nbytes: float) -> float:
+        gpu = self._gpu()
+        return gpu.link_latency_us * 1e-6 + nbytes / (gpu.d2h_gbs * 1e9)
+
+    def gpu_to_gpu_s(self, nbytes: float) -> float:
+        """One GPU sends `nbytes` to another: over a peer link, else through host memory."""
+        gpu = self._gpu()
+        if gpu.p2p_gbs:
+            return gpu.link_latency_us * 1e-6 + nbytes / (gpu.p2p_gbs * 1e9)
+        return self.d2h_s(nbytes) + self.h2d_s(nbytes)
+
+    def activations_bytes(self, tokens: float) -> float:
+        return tokens * self.spec.hidden * ACTIVATION_BYTES
+
+    # ---- routing ---------------------------------------------------------------------------------------
+    def distinct_experts(self, layer: int, tokens: float, exclude: np.ndarray | None = None) -> float:
+        return self.routing.expected_distinct(self.row_of_layer[layer], tokens, exclude)
+
+    def routed_fraction(self, layer: int, experts: np.ndarray) -> float:
+        return self.routing.routed_fraction(self.row_of_layer[layer], experts)

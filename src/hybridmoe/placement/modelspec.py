@@ -1,0 +1,204 @@
+"""What a model weighs and costs, per layer and per component, derived from the normalised config.
+
+`ModelSpec` counts the weights of every part the planner places separately (attention half, router, shared
+experts, dense MLP, one routed expert, embedding, LM head), the KV-cache bytes per token, and the
+floating-point work of a forward pass over T tokens, including attention against a context. Counts match
+Hugging Face's own modules exactly (checked by the tests on tiny configs). Packaged configs of the large
+models (`resolve_model("deepseek-v3")`) let the planner run without weights.
+
+MLA attention has two forms: "absorbed" (attention in the latent space; the engine's form, cheap per token,
+dear per query-key pair) and "expanded" (latents decompressed into per-head keys/values once per chunk; the
+usual form for long prefills). Legend: T tokens, H hidden, N heads, L kv_lora_rank, R rope dims, P no-rope
+q/k dims, V value dims, C context, K top-k, I expert intermediate size.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from hybridmoe.config import ModelConfig, load_config, parse_config
+
+KV_CACHE_BYTES = 2  # the engine caches keys/values (or MLA latents) in bf16
+QUERY_BLOCK = 4096  # prefill attention processes at most this many queries at a time
+MLP_BLOCK = 65536  # and the MLP at most this many (token, expert) pairs at a time
+
+_CATALOG = {
+    "deepseek-v3": "deepseek-v3", "deepseek-r1": "deepseek-v3", "deepseek-v3-0324": "deepseek-v3",
+    "kimi-k2": "kimi-k2", "kimi-k2-instruct": "kimi-k2", "kimi-k2-base": "kimi-k2",
+    "qwen3-235b-a22b": "qwen3-235b-a22b", "qwen3-30b-a3b": "qwen3-30b-a3b",
+    "mixtral-8x7b": "mixtral-8x7b", "mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
+}
+PACKAGED_MODELS = ("deepseek-v3", "kimi-k2", "qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-8x7b")
+
+
+def resolve_model(name_or_dir: str | Path) -> ModelConfig:
+    """A model directory (with config.json) or the name of a packaged config (e.g. "DeepSeek-V3",
+    "deepseek-ai/DeepSeek-V3", "Qwen/Qwen3-30B-A3B")."""
+    path = Path(name_or_dir)
+    if path.is_dir():
+        return load_config(path)
+    key = str(name_or_dir).strip().lower().rsplit("/", 1)[-1]
+    if key not in _CATALOG:
+        raise ValueError(f"{name_or_dir!r} is neither a model directory nor a packaged model; "
+                         f"packaged: {', '.join(PACKAGED_MODELS)}")
+    text = resources.files("hybridmoe.placement").joinpath(f"data/models/{_CATALOG[key]}/config.json")
+    return parse_config(json.loads(text.read_text()), source=f"packaged:{_CATALOG[key]}/config.json")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Weights (element counts) of one decoder layer, by the parts the planner places separately."""
+
+    index: int
+    attention: int  # projections + both RMSNorms of the block (the "attention half" with its norms)
+    dense_mlp: int  # gate/up/down of a dense layer (0 in MoE layers)
+    router: int  # gate weight (+ DeepSeek's correction bias)
+    shared_experts: int
+    expert: int  # one routed expert (gate, up, down)
+    num_experts: int
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+class ModelSpec:
+    """Weights, KV bytes and FLOPs of a model (see module docstring)."""
+
+    def __init__(self, config: ModelConfig, name: str | None = None):
+        self.config = config
+        self.name = name or Path(config.source).parent.name or config.model_type
+        c, a, m = config, config.attention, config.moe
+        self.hidden = c.hidden_size
+        self.top_k = m.num_experts_per_tok
+        self.num_experts = m.num_experts
+        self.expert_intermediate = m.intermediate_size
+        if a.kind == "mla":
+            n, p, r, v, lat = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
+            q = c.hidden_size * n * (p + r) if a.q_lora_rank is None else (
+                c.hidden_size * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * n * (p + r))
+            self.kv_b_weights = lat * n * (p + v)
+            attn = q + c.hidden_size * (lat + r) + lat + self.kv_b_weights + n * v * c.hidden_size
+            self.kv_values_per_token = lat + r
+        else:
+            n, hd, kv = a.num_heads, a.head_dim, a.num_kv_heads
+            attn = c.hidden_size * hd * (n + 2 * kv) + n * hd * c.hidden_size
+            attn += (n + 2 * kv) * hd if a.bias else 0
+            attn += 2 * hd if a.qk_norm else 0
+            self.kv_b_weights = 0
+            self.kv_values_per_token = 2 * kv * hd
+        attn += 2 * c.hidden_size  # input_layernorm + post_attention_layernorm
+        bias = m.num_experts if m.topk_method == "noaux_tc" else 0
+        expert = 3 * c.hidden_size * m.intermediate_size
+        self.layers = tuple(
+            LayerShape(i, attn, 0 if is_moe else 3 * c.hidden_size * c.intermediate_size,
+                       m.num_experts * c.hidden_size + bias if is_moe else 0,
+                       3 * c.hidden_size * m.shared_intermediate_size if is_moe else 0,
+                       expert if is_moe else 0, m.num_experts if is_moe else 0)
+            for i, is_moe in enumerate(c.moe_layers))
+        self.embedding = c.vocab_size * c.hidden_size
+        self.lm_head = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+        self.final_norm = c.hidden_size
+        self.native_format = "fp8" if c.quantization is not None else "bf16"
+
+    # ---- weights -------------------------------------------------------------------------------------
+    @functools.cached_property
+    def moe_layers(self) -> tuple[LayerShape, ...]:
+        return tuple(layer for layer in self.layers if layer.is_moe)
+
+    def total_weights(self) -> int:
+        per_layer = sum(l.attention + l.dense_mlp + l.router + l.shared_experts + l.expert * l.num_experts
+                        for l in self.layers)
+        return per_layer + self.embedding + self.lm_head + self.final_norm
+
+    def active_weights(self) -> int:
+        """Weights one token multiplies with (embedding lookup excluded, LM head included)."""
+        per_layer = sum(l.attention + l.dense_mlp + l.router + l.shared_experts + l.expert * self.top_k
+                        for l in self.layers)
+        return per_layer + (self.lm_head or self.embedding) + self.final_norm
+
+    def routed_expert_weights(self) -> int:
+        return sum(l.expert * l.num_experts for l in self.layers)
+
+    # ---- KV cache -----------------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token occupies over all layers (MLA: latent + rope key; GQA: K and V)."""
+        return self.kv_values_per_token * KV_CACHE_BYTES * len(self.layers)
+
+    # ---- arithmetic ---------------------------------------------------------------------------------
+    def attention_pairs(self, query_tokens: int, context_before: int) -> float:
+        """Causal query-key pairs of `query_tokens` new tokens after `context_before` cached ones."""
+        window = self.config.attention.sliding_window
+        t, c = query_tokens, context_before
+        full = t * c + t * (t + 1) / 2
+        if window is None or c + t <= window:
+            return full
+        # each query sees at most `window` keys
+        capped_from = max(0, window - c)  # queries before this index see fewer than `window` keys
+        head = min(t, capped_from)
+        return head * c + head * (head + 1) / 2 + (t - head) * window
+
+    def mla_form(self, query_tokens: int, form: str = "auto") -> str:
+        if form not in ("auto", "absorbed", "expanded"):
+            raise ValueError(f"MLA form must be auto|absorbed|expanded, got {form!r}")
+        if form != "auto":
+            return form
+        return "absorbed" if query_tokens <= 64 else "expanded"
+
+    def _pair_flops(self, query_tokens: int, form: str) -> float:
+        a = self.config.attention
+        if a.kind != "mla":
+            return 4 * a.num_heads * a.head_dim
+        n, p, r, v, lat = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
+        if self.mla_form(query_tokens, form) == "absorbed":
+            return 2 * n * (lat + r) + 2 * n * lat
+        return 2 * n * (p + r) + 2 * n * v
+
+    def attention_linear_flops(self, query_tokens: int, context_before: int, form: str = "auto") -> float:
+        """Matmul FLOPs of one layer's attention half for a chunk (they run at the weights' matmul rate).
+
+        Projections for every query; MLA absorbed adds the W_uk absorption (N*P*L) and W_uv expansion
+        (N*L*V) per query; MLA expanded instead decompresses every context latent through kv_b (C+T tokens).
+        """
+        a = self.config.attention
+        projections = 2 * (self.layers[0].attention - 2 * self.hidden - self.kv_b_weights) * query_tokens
+        if a.kind != "mla":
+            return projections
+        n, p, v, lat = a.num_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank
+        if self.mla_form(query_tokens, form) == "absorbed":
+            return projections + (2 * n * p * lat + 2 * n * lat * v) * query_tokens
+        return projections + 2 * self.kv_b_weights * (context_before + query_tokens)
+
+    def attention_pair_flops(self, query_tokens: int, context_before: int, form: str = "auto") -> float:
+        """Score and value-product FLOPs of one layer (what an attention kernel does): pairs x per-pair
+        FLOPs; MLA absorbed 2N(L+R) + 2NL, MLA expanded 2N(P+R) + 2NV, GQA 4*N*head_dim."""
+        return self.attention_pairs(query_tokens, context_before) * self._pair_flops(query_tokens, form)
+
+    def attention_activation_bytes(self, query_tokens: int, keys: int, form: str = "auto") -> float:
+        """Transient accelerator memory of one layer's attention for `query_tokens` queries against `keys`
+        keys (the chunk included), bf16. Queries are processed in sub-chunks of at most QUERY_BLOCK tokens
+        (attention is independent per query), so only one sub-chunk's queries and outputs are live; MLA
+        expanded also holds every key's decompressed per-head key and value once per layer."""
+        a = self.config.attention
+        block = min(query_tokens, QUERY_BLOCK)
+        if a.kind != "mla":
+            return 2 * block * a.num_heads * a.head_dim * 2
+        n, p, r, v, lat = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
+        if self.mla_form(query_tokens, form) == "absorbed":
+            return block * n * (lat + r + lat) * 2
+        return (block + max(keys, query_tokens)) * n * (p + r + v) * 2
+
+    def activation_bytes(self, chunk_tokens: int, keys: int, form: str = "auto") -> float:
+        """Peak transient accelerator memory of a prefill chunk attending to `keys` keys: the residual
+        stream, its normed copy and an fp32 MoE accumulator (8 bytes per hidden value), one layer's attention
+        working set, and the MLP intermediate of at most MLP_BLOCK (token, expert) pairs at a time (bf16)."""
+        width = max([self.expert_intermediate] * bool(self.moe_layers)
+                    + [l.dense_mlp // (3 * self.hidden) for l in self.layers if l.dense_mlp])
+        pairs = min(chunk_tokens * (self.top_k if self.moe_layers else 1), MLP_BLOCK)
+        return (chunk_tokens * self.hidden * 8 + self.attention_activation_bytes(chunk_tokens, keys, form)
+                + pairs * 2 * width * 2)
