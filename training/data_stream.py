@@ -1,0 +1,110 @@
+"""The deterministic stream of training batches: packed text rows and single passkey examples.
+
+`TrainingBatches(seed)` yields the same batches in the same order on every machine, so a run resumed from
+a checkpoint skips the batches it has already seen and continues exactly. A batch is
+(input_ids [B, T+1] int64, loss_weights [B, T] float32): the model reads input_ids[:, :-1] and predicts
+input_ids[:, 1:], each target weighted by loss_weights (passkey answer digits weigh more).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+import passkey
+import sources
+from recipe import BOS_TOKEN, DATA_DIR, EOS_TOKEN, PASSKEY_FILLER_MIX, TEXT_MIX, TRAIN
+
+
+def load_tokenizer(directory: Path = DATA_DIR / "tokenizer") -> Tokenizer:
+    path = directory / "tokenizer.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run training/prepare_data.py and training/train_tokenizer.py")
+    return Tokenizer.from_file(str(path))
+
+
+def tokenize_split(tokenizer: Tokenizer, split: str) -> dict[str, list[list[int]]]:
+    """{source: [[BOS, ..., EOS] per document]} for data/<split>.jsonl."""
+    path = DATA_DIR / f"{split}.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run training/prepare_data.py")
+    texts: dict[str, list[str]] = {}
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            texts.setdefault(record["source"], []).append(record["text"])
+    bos, eos = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
+    out = {}
+    for source, docs in sorted(texts.items()):
+        encodings = tokenizer.encode_batch(docs, add_special_tokens=False)
+        # chat text already starts with BOS and ends each turn with EOS (the template writes them)
+        out[source] = [e.ids if source == "chat" else [bos, *e.ids, eos] for e in encodings]
+    return out
+
+
+class TrainingBatches:
+    """Iterator over (input_ids, loss_weights); step i is a passkey step with probability passkey_step_fraction."""
+
+    def __init__(self, tokenizer: Tokenizer, documents: dict[str, list[list[int]]], seed: int):
+        self.tokenizer = tokenizer
+        self.documents = documents
+        self.rng = random.Random(seed)
+        self.order = {src: self._shuffled(src) for src in TEXT_MIX}
+        self.tokens_by_source = {src: 0 for src in TEXT_MIX}
+        self.buffer: list[int] = []
+        self.filler_pool = passkey.filler_sentences_from_fortunes(sources.read_fortunes())
+        self.bos = tokenizer.token_to_id(BOS_TOKEN)
+        self.eos = tokenizer.token_to_id(EOS_TOKEN)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            if self.rng.random() < TRAIN["passkey_step_fraction"]:
+                yield self.passkey_batch()
+            else:
+                yield self.text_batch()
+
+    def _shuffled(self, source: str) -> list[int]:
+        order = list(range(len(self.documents[source])))
+        self.rng.shuffle(order)
+        return order
+
+    def _next_document(self) -> list[int]:
+        total = sum(self.tokens_by_source.values()) + 1
+        source = max(TEXT_MIX, key=lambda s: TEXT_MIX[s] - self.tokens_by_source[s] / total)  # largest deficit
+        if not self.order[source]:
+            self.order[source] = self._shuffled(source)
+        document = self.documents[source][self.order[source].pop()]
+        self.tokens_by_source[source] += len(document)
+        return document
+
+    def text_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, width = TRAIN["text_rows"], TRAIN["text_seq_len"] + 1
+        while len(self.buffer) < rows * width:
+            self.buffer.extend(self._next_document())
+        ids = torch.tensor(self.buffer[: rows * width], dtype=torch.int64).view(rows, width)  # [B, T+1]
+        del self.buffer[: rows * width]
+        return ids, torch.ones(rows, width - 1)
+
+    def passkey_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        target = self.rng.randint(TRAIN["passkey_min_tokens"], TRAIN["passkey_max_tokens"])
+        kinds = list(PASSKEY_FILLER_MIX)
+        kind = self.rng.choices(kinds, [PASSKEY_FILLER_MIX[k] for k in kinds])[0]
+        pool = self.filler_pool if kind == "fortunes" else None
+        example = passkey.make_passkey_example(self.rng, target, self.count_tokens, pool)
+        prompt = self.tokenizer.encode(example.prompt, add_special_tokens=False).ids
+        answer = self.tokenizer.encode(example.answer, add_special_tokens=False).ids
+        ids = [self.bos, *prompt, *answer, self.eos]
+        weights = torch.ones(len(ids) - 1)  # weights[t] belongs to target ids[t + 1]
+        first_answer_target = len(prompt)  # target index of the first answer token
+        for offset, token in enumerate(answer):
+            if self.tokenizer.id_to_token(token).isdigit():
+                weights[first_answer_target + offset] = TRAIN["passkey_answer_weight"]
+        return torch.tensor(ids, dtype=torch.int64)[None], weights[None]
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)

@@ -1,0 +1,104 @@
+"""The demo model's recipe: every number that decides what training produces, in one place.
+
+prepare_data.py, train_tokenizer.py, train.py and evaluate.py read these constants; train.py copies them
+into the run directory (recipe.json) and into the shipped model directory, so a result can always be
+traced back to the recipe that made it. Changing anything here changes the model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SEED = 20251129
+
+TRAINING_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TRAINING_DIR.parent
+DATA_DIR = TRAINING_DIR / "data"  # regenerated, git-ignored
+RUNS_DIR = TRAINING_DIR / "runs"  # checkpoints and logs, git-ignored
+RESULTS_DIR = TRAINING_DIR / "results"  # committed evaluation results
+ASSETS_DIR = REPO_ROOT / "src" / "hybridmoe" / "assets"
+DEMO_MODEL_DIR = ASSETS_DIR / "demo_model"
+DEMO_MODEL_FP8_DIR = ASSETS_DIR / "demo_model_fp8"
+CHAT_TEMPLATE_FILE = TRAINING_DIR / "chat_template.jinja"
+
+# ---- text sources (Debian packages; see DATA_SOURCES.md) ----
+FORTUNES_DIR = Path("/usr/share/games/fortunes")
+# Left out: ASCII drawings, a non-English file, and collections of ethnic/gender/drug/political jokes
+# that a shipped demo should not repeat.
+FORTUNE_FILES_EXCLUDED = ("art", "ascii-art", "translate-me", "ethnic", "men-women", "drugs", "politics")
+PYTHON_DOC_SOURCES_DIR = Path("/usr/share/doc/python3.11/html/_sources")
+HELDOUT_FRACTION = 0.02  # documents whose crc32 falls in this fraction form the held-out split
+
+# ---- tokenizer ----
+VOCAB_SIZE = 4096
+BOS_TOKEN = "<|begin|>"
+EOS_TOKEN = "<|end|>"  # ends a document and a chat turn
+PAD_TOKEN = "<|pad|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, *ROLE_TOKENS)
+
+# ---- model: DeepseekV3ForCausalLM (MLA, shared expert, sigmoid group-limited router, 1 dense layer) ----
+MODEL_CONFIG = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=256,
+    intermediate_size=512,  # the dense first layer's MLP
+    moe_intermediate_size=128,  # each routed expert and the shared expert
+    num_hidden_layers=4,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=128,
+    kv_lora_rank=128,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    routed_scaling_factor=1.0,
+    max_position_embeddings=4096,
+    rope_interleave=True,
+    tie_word_embeddings=False,
+    num_mtp_layers=0,  # no multi-token-prediction module is trained
+    initializer_range=0.02,
+    rms_norm_eps=1e-6,
+)
+
+# ---- training ----
+TRAIN = dict(
+    steps=2400,
+    text_rows=4,  # rows per text step
+    text_seq_len=512,  # tokens per text row
+    passkey_step_fraction=0.35,  # share of steps that train one passkey example instead of text
+    passkey_min_tokens=96,
+    passkey_max_tokens=2300,
+    passkey_answer_weight=20.0,  # loss weight of the answer digits relative to every other token
+    lr=2e-3,
+    min_lr_ratio=0.1,
+    warmup_steps=100,
+    decay_fraction=0.25,  # warm-up / stable / decay schedule: the last quarter decays
+    weight_decay=0.1,
+    betas=(0.9, 0.95),
+    grad_clip=1.0,
+    router_bias_update_rate=1e-3,  # DeepSeek-V3's auxiliary-loss-free balancing (gamma)
+    balance_loss_alpha=1e-2,  # DeepSeek-V3's complementary balance loss (V3: 1e-4 over far more tokens)
+    checkpoint_every=100,
+    num_threads=1,
+)
+
+# Share of text-step tokens drawn from each source (the rest of the steps are passkey examples).
+TEXT_MIX = {"fortunes": 0.45, "python_docs": 0.30, "chat": 0.25}
+PASSKEY_FILLER_MIX = {"classic": 0.7, "fortunes": 0.3}
+NUM_SYNTHETIC_CHATS = 40000
+
+# ---- evaluation ----
+EVAL = dict(
+    passkey_lengths=(512, 1024, 2048),
+    passkey_trials=50,
+    passkey_seed=7,
+    heldout_max_tokens_per_source=40000,
+    sample_max_new_tokens=60,
+)

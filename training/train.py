@@ -1,0 +1,197 @@
+"""Train the embedded demo model (DeepseekV3ForCausalLM) from scratch and export it.
+
+CPU with one thread by default (the recipe's num_threads); a CUDA device is used when present. The run is
+reproducible: a fixed seed drives initialisation and the batch stream, and checkpoints (every
+checkpoint_every steps) hold model, optimiser and router-bias state, so --resume continues the same run.
+Routing is balanced without an auxiliary loss, as in DeepSeek-V3: after each step every MoE layer's
+e_score_correction_bias moves by router_bias_update_rate towards equal expert load.
+
+Run (after prepare_data.py and train_tokenizer.py):
+  nohup .venv/bin/python training/train.py > training/runs/train.log 2>&1 &
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+import data_stream
+import recipe
+from export import export_model, write_fp8_copy
+from recipe import BOS_TOKEN, EOS_TOKEN, MODEL_CONFIG, PAD_TOKEN, RUNS_DIR, SEED, TRAIN
+
+
+def build_model(tokenizer) -> DeepseekV3ForCausalLM:
+    torch.manual_seed(SEED)
+    config = DeepseekV3Config(**MODEL_CONFIG, bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
+                              eos_token_id=tokenizer.token_to_id(EOS_TOKEN),
+                              pad_token_id=tokenizer.token_to_id(PAD_TOKEN))
+    config._attn_implementation = "sdpa"
+    return DeepseekV3ForCausalLM(config)
+
+
+def recipe_record(steps: int) -> dict:
+    names = ("SEED", "VOCAB_SIZE", "SPECIAL_TOKENS", "MODEL_CONFIG", "TRAIN", "TEXT_MIX", "PASSKEY_FILLER_MIX",
+             "NUM_SYNTHETIC_CHATS", "HELDOUT_FRACTION", "FORTUNE_FILES_EXCLUDED")
+    record = {name.lower(): getattr(recipe, name) for name in names}
+    record["train"] = {**TRAIN, "steps": steps}
+    record["torch"] = torch.__version__
+    return record
+
+
+def learning_rate(step: int, steps: int) -> float:
+    """Warm-up, stable, decay (WSD): linear warm-up, constant peak, cosine to min_lr_ratio * lr in the last
+    decay_fraction of the steps. Runs of different lengths share every step before their decay starts, so a
+    stable-phase checkpoint resumed with a smaller --steps gives exactly the run a fresh one would."""
+    peak, warmup = TRAIN["lr"], TRAIN["warmup_steps"]
+    decay_start = int(steps * (1 - TRAIN["decay_fraction"]))
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if step < decay_start:
+        return peak
+    progress = (step - decay_start) / max(1, steps - decay_start)
+    return peak * (TRAIN["min_lr_ratio"] + (1 - TRAIN["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class RouterLoadBalancer:
+    """Balances expert load in every MoE layer the way DeepSeek-V3 does, from forward hooks on the routers.
+
+    Mainly without an auxiliary loss: after each step the correction bias of an overloaded expert goes down
+    and that of an underloaded one up by `rate`. Plus DeepSeek-V3's complementary balance loss
+    alpha * sum_i f_i * P_i (f_i: load relative to uniform, P_i: mean normalised score), here over the
+    batch, which keeps this short run from collapsing onto one expert while the residual stream is young.
+    """
+
+    def __init__(self, model: DeepseekV3ForCausalLM, rate: float, alpha: float):
+        self.rate, self.alpha = rate, alpha
+        self.gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+        self.counts = [torch.zeros(g.num_experts) for g in self.gates]
+        self.aux_losses: list[torch.Tensor] = []
+        for index, gate in enumerate(self.gates):
+            gate.register_forward_hook(self._hook(index))
+
+    def _hook(self, index: int):
+        def record(module, _inputs, output):
+            router_logits, _, topk_indices = output  # [T, E], _, [T, K]
+            load = torch.bincount(topk_indices.flatten(), minlength=module.num_experts).float()  # [E]
+            self.counts[index] += load.cpu()
+            if module.training and self.alpha > 0:
+                scores = router_logits.sigmoid()  # [T, E]
+                mean_share = (scores / scores.sum(-1, keepdim=True)).mean(0)  # [E]
+                relative_load = load * module.num_experts / topk_indices.numel()  # [E], 1 when uniform
+                self.aux_losses.append(self.alpha * (relative_load * mean_share).sum())
+        return record
+
+    def take_aux_loss(self) -> torch.Tensor | float:
+        total = sum(self.aux_losses) if self.aux_losses else 0.0
+        self.aux_losses = []
+        return total
+
+    @torch.no_grad()
+    def update(self) -> float:
+        """Apply one bias step per layer; returns the worst max/mean expert load since the last update."""
+        worst = 0.0
+        for gate, counts in zip(self.gates, self.counts):
+            mean = counts.mean()
+            gate.e_score_correction_bias += self.rate * torch.sign(mean - counts).to(gate.e_score_correction_bias.device)
+            worst = max(worst, (counts.max() / mean.clamp(min=1)).item())
+            counts.zero_()
+        return worst
+
+
+def weighted_loss(model, input_ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, T+1], weights [B, T] -> (weighted mean cross-entropy, per-target cross-entropy [B, T])."""
+    logits = model(input_ids=input_ids[:, :-1]).logits.float()  # [B, T, V]
+    token_loss = F.cross_entropy(logits.flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none").view_as(weights)
+    return (token_loss * weights).sum() / weights.sum(), token_loss.detach()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", default="demo", help="run name: checkpoints go to training/runs/<run>/")
+    parser.add_argument("--steps", type=int, default=TRAIN["steps"])
+    parser.add_argument("--resume", action="store_true", help="continue from training/runs/<run>/checkpoint.pt")
+    parser.add_argument("--export", type=Path, default=recipe.DEMO_MODEL_DIR, help="where the final model goes")
+    args = parser.parse_args()
+
+    torch.set_num_threads(TRAIN["num_threads"])
+    random.seed(SEED)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    run_dir = RUNS_DIR / args.run
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = recipe_record(args.steps)
+    (run_dir / "recipe.json").write_text(json.dumps(record, indent=2, default=str))
+
+    tokenizer = data_stream.load_tokenizer()
+    batches = iter(data_stream.TrainingBatches(tokenizer, data_stream.tokenize_split(tokenizer, "train"), SEED))
+    model = build_model(tokenizer).to(device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": TRAIN["weight_decay"]},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=TRAIN["lr"], betas=TRAIN["betas"])
+    balancer = RouterLoadBalancer(model, TRAIN["router_bias_update_rate"], TRAIN["balance_loss_alpha"])
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"parameters {n_params:,}  device {device}  steps {args.steps}", flush=True)
+
+    start_step, tokens_seen = 0, 0
+    checkpoint_path = run_dir / "checkpoint.pt"
+    if args.resume and checkpoint_path.exists():
+        state = torch.load(checkpoint_path, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_step, tokens_seen = state["step"], state["tokens_seen"]
+        for _ in range(start_step):
+            next(batches)  # the stream is deterministic: skip what was already trained on
+        if start_step > int(args.steps * (1 - TRAIN["decay_fraction"])):
+            raise SystemExit(f"checkpoint step {start_step} is past the decay start of a {args.steps}-step run")
+        print(f"resumed at step {start_step}", flush=True)
+
+    model.train()
+    started = time.time()
+    window = {"text": [], "passkey": [], "answer": []}
+    for step in range(start_step, args.steps):
+        input_ids, weights = (t.to(device) for t in next(batches))
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args.steps)
+        loss, token_loss = weighted_loss(model, input_ids, weights)
+        optimizer.zero_grad(set_to_none=True)
+        (loss + balancer.take_aux_loss()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), TRAIN["grad_clip"])
+        optimizer.step()
+        imbalance = balancer.update()
+        tokens_seen += input_ids.shape[0] * (input_ids.shape[1] - 1)
+        if input_ids.shape[0] == 1:  # a passkey example
+            window["passkey"].append(token_loss.mean().item())
+            window["answer"].append(token_loss[weights > 1].mean().item())
+        else:
+            window["text"].append(token_loss.mean().item())
+        if (step + 1) % 10 == 0:
+            elapsed = time.time() - started
+            mean = {k: sum(v) / len(v) if v else float("nan") for k, v in window.items()}
+            print(f"step {step + 1:5d}  text {mean['text']:.3f}  passkey {mean['passkey']:.3f}  "
+                  f"answer {mean['answer']:.3f}  lr {learning_rate(step, args.steps):.2e}  "
+                  f"load max/mean {imbalance:.2f}  tokens {tokens_seen:,}  {elapsed:.0f}s", flush=True)
+            window = {k: [] for k in window}
+        if (step + 1) % TRAIN["checkpoint_every"] == 0 or step + 1 == args.steps:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
+                        "tokens_seen": tokens_seen}, checkpoint_path.with_suffix(".tmp"))
+            checkpoint_path.with_suffix(".tmp").replace(checkpoint_path)
+
+    record.update(steps_trained=args.steps, tokens_seen=tokens_seen, parameters=n_params,
+                  resumed_at_step=start_step or None, train_seconds_this_session=round(time.time() - started))
+    export_model(model.cpu(), args.export, record)
+    fp8_dir = args.export.parent / (args.export.name + "_fp8")
+    write_fp8_copy(args.export, fp8_dir)
+    print(f"exported to {args.export} and {fp8_dir}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
