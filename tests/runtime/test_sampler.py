@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hybridmoe.runtime.sampler import Sampler, _apply_repetition_penalty
+from hybridmoe.runtime.sampler import Sampler, _apply_repetition_penalty, _kept_probabilities
 from hybridmoe.runtime.sampling_params import SamplingParams
 
 
@@ -230,5 +230,75 @@ def test_bad_inputs_are_rejected_clearly():
         sampler.sample(torch.randn(10), params, [None] * 2, [[], []])
     with pytest.raises(ValueError, match=r"outside \[0, 10\)"):
         sampler.sample(logits, [SamplingParams(repetition_penalty=1.2)] * 2, [None] * 2, [[3], [10]])
-    with pytest.raises(ValueError, match=r"NaN in rows \[1\]"):
-        sampler.sample(torch.stack([torch.randn(10), torch.full((10,), float("nan"))]), params, [None] * 2, [[]] * 2)
+    nan_row = torch.randn(10)
+    nan_row[3] = float("nan")
+    with pytest.raises(ValueError, match=r"rows \[1\] contain NaN or \+inf, or are all -inf"):
+        sampler.sample(torch.stack([torch.randn(10), nan_row]), params, [None] * 2, [[]] * 2)
+    with pytest.raises(ValueError, match=r"rows \[0\] contain NaN"):
+        sampler.sample(torch.stack([torch.full((10,), float("-inf")), torch.randn(10)]), params, [None] * 2, [[]] * 2)
+
+
+def _reference_kept_probabilities(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Float64, one filter after the other on explicitly sorted, renormalised distributions -> probs [V]."""
+    x = logits_row.double() / params.temperature
+    probs = torch.softmax(x, dim=-1)
+    order = probs.argsort(descending=True)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if params.top_k > 0:
+        keep[order[params.top_k :]] = False
+    if params.top_p < 1.0:
+        renormalised = torch.where(keep, probs, 0.0)
+        renormalised /= renormalised.sum()
+        sorted_probs = renormalised[order]
+        mass_above = sorted_probs.cumsum(0) - sorted_probs
+        keep[order[mass_above >= params.top_p]] = False
+    if params.min_p > 0.0:
+        keep &= probs >= params.min_p * probs.max()
+    kept = torch.where(keep, probs, 0.0)
+    return kept / kept.sum()
+
+
+def test_kept_probabilities_match_a_float64_reference():
+    """Random logits and random filter settings, including nuclei larger than the top-p candidate set
+    (flat rows with top_p near 1), which take the full-sort path."""
+    torch.manual_seed(31)
+    vocab = 3000
+    rng = torch.Generator().manual_seed(32)
+    params, rows = [], []
+    for row in range(48):
+        scale = [0.05, 1.0, 3.0, 8.0][row % 4]  # 0.05: nearly flat, the nucleus spans most of the vocabulary
+        rows.append(torch.randn(vocab, generator=rng) * scale)
+        params.append(
+            SamplingParams(
+                temperature=[0.3, 0.7, 1.0, 1.6][(row // 4) % 4],
+                top_k=[0, 5, 40, 2000][(row // 16) % 3 + (row % 2)],
+                top_p=[1.0, 0.5, 0.9, 0.97][(row // 2) % 4],
+                min_p=[0.0, 0.0, 0.05, 0.3][(row // 3) % 4],
+            )
+        )
+    logits = torch.stack(rows)
+    kept = _kept_probabilities(logits, params)
+    assert (kept >= 0).all()
+    for row in range(len(params)):
+        expected = _reference_kept_probabilities(logits[row], params[row])
+        assert torch.equal(kept[row] > 0, expected > 0), (row, params[row])
+        torch.testing.assert_close((kept[row] / kept[row].sum()).double(), expected, rtol=1e-4, atol=1e-7)
+
+
+def test_nucleus_larger_than_the_candidate_set_takes_the_full_sort():
+    torch.manual_seed(33)
+    logits = torch.randn(3, 5000) * torch.tensor([[0.05], [0.3], [4.0]])  # two wide nuclei, one narrow
+    params = [SamplingParams(top_p=0.95), SamplingParams(top_p=0.9, min_p=0.2), SamplingParams(top_p=0.9)]
+    kept = _kept_probabilities(logits, params)
+    for row in range(3):
+        expected = _reference_kept_probabilities(logits[row], params[row])
+        assert torch.equal(kept[row] > 0, expected > 0)
+    assert int((kept[0] > 0).sum()) > 1024 and int((kept[2] > 0).sum()) < 1024
+
+
+def test_masked_vocabulary_is_never_drawn():
+    torch.manual_seed(37)
+    logits = torch.randn(200) * 4
+    logits[1::2] = float("-inf")
+    samples = _draw_many(logits, SamplingParams(temperature=1.5), num_draws=5000, seed=41)
+    assert all(token % 2 == 0 for token in samples.tolist())

@@ -1,25 +1,32 @@
 """`Sampler`: turns the last-position logits of a batch into next token ids, one `SamplingParams` per row.
 
 Order per row: repetition penalty -> greedy (argmax) when temperature is 0 -> temperature -> top-k -> top-p
--> min-p -> draw. Every step is vectorised over rows; only the random draw is per row, because each seeded
-row draws from its own `torch.Generator` so that its tokens do not depend on what else is in the batch.
+-> min-p -> draw. Each filter keeps the logits >= a per-row threshold, so the three combine into one
+threshold (the largest) and one mask:
+  top-k  the k-th largest logit (tokens tied with it are kept);
+  top-p  the logit of the last token of the nucleus, computed on the distribution left by top-k: the
+         smallest set of most likely tokens whose probability sums to >= top_p;
+  min-p  max logit + log(min_p): p >= min_p * p_max does not change when the kept set is renormalised.
+Top-k and top-p look only at the K most likely tokens (K >= 1024, one `topk` instead of sorting the whole
+vocabulary); a top-p row whose nucleus does not fit in them falls back to a full sort.
 
-The draw is the exponential race: argmax_v p_v / q_v with q_v ~ Exp(1) i.i.d. picks v with probability
-p_v / sum(p), so it needs no normalisation and no cumulative sum over the vocabulary.
+The draw is by inverse CDF: one uniform number per row from the row's own `torch.Generator` (seeded rows do
+not depend on what else is in the batch), searched in the float64 cumulative sum of the kept
+probabilities. Tokens with probability 0 are never drawn.
 
-Legend: S rows (sequences in the batch), V vocabulary size, R rows that sample (not greedy).
+Legend: S rows (sequences in the batch), V vocabulary size, R rows that sample (not greedy), K candidates.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from hybridmoe.runtime.sampling_params import SamplingParams
 
-# Smallest Exp(1) draw used as a divisor: keeps p / q finite (and 0 / q == 0 for removed tokens).
-_MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
+_MIN_TOP_P_CANDIDATES = 1024  # most LLM nuclei are far smaller; larger ones fall back to a full sort
 
 
 class Sampler:
@@ -37,35 +44,44 @@ class Sampler:
 
         Rows whose generator is None draw from torch's default generator. The input logits are not modified.
         """
-        self._check_inputs(logits, params, generators, token_history)
-        num_rows = logits.shape[0]
-        logits = logits.to(torch.float32, copy=True)  # [S, V]
-        _apply_repetition_penalty(logits, params, token_history)
+        _check_inputs(logits, params, generators, token_history)
+        logits = logits.float()  # [S, V]; a copy is made below before anything is written
+        if any(p.repetition_penalty != 1.0 and len(h) > 0 for p, h in zip(params, token_history)):
+            logits = logits.clone()
+            _apply_repetition_penalty(logits, params, token_history)
 
-        next_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)  # [S]
+        device = logits.device
+        next_ids = torch.empty(logits.shape[0], dtype=torch.long, device=device)  # [S]
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
         sampling_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if greedy_rows:
-            rows = torch.tensor(greedy_rows, device=logits.device)
+            rows = torch.tensor(greedy_rows, device=device)
             next_ids[rows] = logits[rows].argmax(dim=-1)
         if sampling_rows:
-            rows = torch.tensor(sampling_rows, device=logits.device)
+            row_logits = logits
+            if len(sampling_rows) < logits.shape[0]:
+                row_logits = logits[torch.tensor(sampling_rows, device=device)]  # [R, V]
             row_params = [params[i] for i in sampling_rows]
-            probs = _filtered_probs(logits[rows], row_params)  # [R, V], not normalised after min-p
-            next_ids[rows] = _draw(probs, [generators[i] for i in sampling_rows])
+            probs = _kept_probabilities(row_logits, row_params)  # [R, V], not normalised
+            ids = _draw(probs, [generators[i] for i in sampling_rows])
+            if len(sampling_rows) < logits.shape[0]:
+                next_ids[torch.tensor(sampling_rows, device=device)] = ids
+            else:
+                next_ids = ids
         return next_ids
 
-    @staticmethod
-    def _check_inputs(logits, params, generators, token_history) -> None:
-        if logits.dim() != 2:
-            raise ValueError(f"Sampler: logits must be [S, V], got shape {tuple(logits.shape)}")
-        num_rows = logits.shape[0]
-        for name, values in (("params", params), ("generators", generators), ("token_history", token_history)):
-            if len(values) != num_rows:
-                raise ValueError(f"Sampler: {name} has {len(values)} entries but logits has {num_rows} rows")
-        nan_rows = torch.isnan(logits).any(dim=-1).nonzero().flatten().tolist()
-        if nan_rows:
-            raise ValueError(f"Sampler: logits contain NaN in rows {nan_rows}")
+
+def _check_inputs(logits, params, generators, token_history) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"Sampler: logits must be [S, V], got shape {tuple(logits.shape)}")
+    num_rows = logits.shape[0]
+    for name, values in (("params", params), ("generators", generators), ("token_history", token_history)):
+        if len(values) != num_rows:
+            raise ValueError(f"Sampler: {name} has {len(values)} entries but logits has {num_rows} rows")
+    # max is NaN when a row holds a NaN, +inf when it holds +inf, -inf when nothing can be sampled.
+    bad_rows = (~torch.isfinite(logits.amax(dim=-1))).nonzero().flatten().tolist()
+    if bad_rows:
+        raise ValueError(f"Sampler: logits of rows {bad_rows} contain NaN or +inf, or are all -inf")
 
 
 def _apply_repetition_penalty(
@@ -96,60 +112,99 @@ def _apply_repetition_penalty(
     logits[rows, tokens] = torch.where(seen > 0, seen / penalty, seen * penalty)
 
 
-def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """logits [R, V] of sampling rows -> probabilities [R, V] after temperature, top-k, top-p, min-p.
-
-    Removed tokens get probability exactly 0. Rows are normalised after top-p but not after min-p (the draw
-    does not need it)."""
+def _kept_probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [R, V] of sampling rows -> unnormalised probabilities [R, V] after temperature, top-k, top-p
+    and min-p (removed tokens exactly 0). Never writes into logits."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
-    logits = logits / temperature[:, None]  # [R, V]
+    if any(p.temperature != 1.0 for p in params):
+        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+        logits = logits / temperature[:, None]  # [R, V]
+    row_max = logits.amax(dim=-1)  # [R]
+    threshold = torch.full_like(row_max, -math.inf)  # [R] keep logits >= threshold
 
-    if any(p.top_k > 0 for p in params):
-        logits = _apply_top_k(logits, [p.top_k for p in params])
-    if any(p.top_p < 1.0 for p in params):
-        logits = _apply_top_p(logits, [p.top_p for p in params])
-    probs = torch.softmax(logits, dim=-1)  # [R, V]
+    use_top_k = any(p.top_k > 0 for p in params)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    if use_top_k or use_top_p:
+        threshold = torch.maximum(threshold, _top_k_top_p_threshold(logits, params, use_top_p))
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
-        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values  # [R, 1]
-        probs = probs.masked_fill(probs < threshold, 0.0)
+        log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=device)
+        threshold = torch.maximum(threshold, row_max + log_min_p)
+
+    probs = (logits - row_max[:, None]).exp_()  # [R, V], the top token has 1
+    if bool(torch.isfinite(threshold).any()):
+        probs.masked_fill_(logits < threshold[:, None], 0.0)
     return probs
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """Keep, per row, logits >= the row's k-th largest (k <= 0: keep all). logits [R, V]."""
+def _top_k_top_p_threshold(logits: torch.Tensor, params: Sequence[SamplingParams], use_top_p: bool) -> torch.Tensor:
+    """Per-row logit threshold [R] of top-k followed by top-p (-inf where both are off)."""
     vocab_size = logits.shape[1]
-    k = torch.tensor([vocab_size if t <= 0 else min(t, vocab_size) for t in top_k], device=logits.device)  # [R]
-    largest = logits.topk(int(k.max()), dim=-1).values  # [R, max k], descending
-    kth_largest = largest.gather(1, (k - 1)[:, None])  # [R, 1]
-    return logits.masked_fill(logits < kth_largest, float("-inf"))
+    top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+    num_candidates = max((k for k in top_k if k < vocab_size), default=1)
+    if use_top_p:
+        num_candidates = max(num_candidates, _MIN_TOP_P_CANDIDATES)
+    num_candidates = min(num_candidates, vocab_size)
+    candidates = logits.topk(num_candidates, dim=-1).values  # [R, K], descending
+    k = torch.tensor(top_k, device=logits.device)  # [R]
+    kth_index = (k.clamp(max=num_candidates) - 1)[:, None]  # [R, 1]
+    # Rows without top-k (k == V) get -inf: nothing removed by top-k.
+    top_k_threshold = torch.where(k < vocab_size, candidates.gather(1, kth_index)[:, 0], -math.inf)  # [R]
+    if not use_top_p:
+        return top_k_threshold
+
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)  # [R]
+    # Normaliser of the distribution top-p sees: over the top-k survivors, or over the whole row.
+    log_norm = torch.where(
+        k < vocab_size,
+        candidates.masked_fill(candidates < top_k_threshold[:, None], -math.inf).logsumexp(dim=-1),
+        logits.logsumexp(dim=-1),
+    )  # [R]
+    top_p_threshold, covered = _nucleus_threshold(candidates, top_k_threshold, log_norm, top_p)
+    uncovered = (~covered).nonzero().flatten()
+    if uncovered.numel():  # the nucleus reaches past the candidates: sort those rows in full
+        full = logits[uncovered].sort(dim=-1, descending=True).values  # [U, V]
+        top_p_threshold[uncovered] = _nucleus_threshold(
+            full, top_k_threshold[uncovered], log_norm[uncovered], top_p[uncovered]
+        )[0]
+    return torch.maximum(top_k_threshold, top_p_threshold)
 
 
-def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """Keep, per row, the smallest set of most likely tokens whose probability sums to >= top_p.
+def _nucleus_threshold(
+    sorted_logits: torch.Tensor, top_k_threshold: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sorted_logits [R, K] descending (the K best of each row) -> (threshold [R], covered [R]).
 
-    A token is kept when the probability of the tokens ranked above it is < top_p, so the most likely token
-    is always kept. Rows with top_p == 1 are left as they are. logits [R, V]."""
-    probs = torch.softmax(logits, dim=-1)  # [R, V]
-    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [R, V] each
-    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs  # [R, V]
-    # top_p == 1 rows: an unreachable threshold, so rounding in the cumulative sum cannot remove tail tokens.
-    threshold = torch.tensor([p if p < 1.0 else 2.0 for p in top_p], dtype=probs.dtype, device=logits.device)
-    remove_sorted = mass_above >= threshold[:, None]  # [R, V] in sorted order
-    remove = torch.zeros_like(remove_sorted).scatter_(1, order, remove_sorted)  # [R, V] in vocabulary order
-    return logits.masked_fill(remove, float("-inf"))
+    A token is in the nucleus when the probability ranked above it is < top_p (the top token always is).
+    covered is False where these K tokens hold less than top_p, so the nucleus may reach past them."""
+    probs = (sorted_logits - log_norm[:, None]).exp()  # [R, K]
+    probs = probs.masked_fill(sorted_logits < top_k_threshold[:, None], 0.0)
+    mass_above = probs.cumsum(dim=-1) - probs  # [R, K]
+    # top_p == 1 rows: an unreachable bound, so rounding in the sums cannot remove tail tokens.
+    bound = torch.where(top_p < 1.0, top_p, 2.0)[:, None]  # [R, 1]
+    in_nucleus = (mass_above < bound) & (probs > 0)  # [R, K]
+    last = in_nucleus.sum(dim=-1, keepdim=True) - 1  # [R, 1]
+    threshold = sorted_logits.gather(1, last)[:, 0]  # [R]
+    threshold = torch.where(top_p < 1.0, threshold, -math.inf)
+    # Covered: the candidates hold >= top_p (a token past them has mass_above >= top_p), or top-k already
+    # limits the row to its candidates, or top-p is off.
+    covered = (probs.sum(dim=-1) >= top_p) | torch.isfinite(top_k_threshold) | (top_p >= 1.0)  # [R]
+    return threshold, covered
 
 
 def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One id per row of probs [R, V] (unnormalised, >= 0), row i using generators[i] -> [R] int64."""
-    exponential = torch.empty_like(probs)  # [R, V]
+    device = probs.device
+    uniform = torch.empty(probs.shape[0], dtype=torch.float64, device=device)  # [R] in [0, 1)
     unseeded_rows = [i for i, g in enumerate(generators) if g is None]
     if unseeded_rows:
-        rows = torch.tensor(unseeded_rows, device=probs.device)
-        exponential[rows] = torch.empty((len(rows), probs.shape[1]), device=probs.device).exponential_()
+        uniform[torch.tensor(unseeded_rows, device=device)] = torch.rand(
+            len(unseeded_rows), dtype=torch.float64, device=device
+        )
     for i, generator in enumerate(generators):
         if generator is not None:
-            exponential[i].exponential_(generator=generator)
-    exponential.clamp_(min=_MIN_EXPONENTIAL)
-    return (probs / exponential).argmax(dim=-1)
+            uniform[i] = torch.rand((), dtype=torch.float64, device=device, generator=generator)
+    cdf = probs.to(torch.float64).cumsum(dim=-1)  # [R, V]
+    total = cdf[:, -1]  # [R]
+    # The first token whose cdf exceeds u * total; capped just below total so the search stays in range.
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))  # [R]
+    return torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
