@@ -51,9 +51,10 @@ def test_input_logits_are_not_modified():
     torch.manual_seed(2)
     logits = torch.randn(3, 50)
     before = logits.clone()
-    params = [SamplingParams(repetition_penalty=1.7, top_k=5, top_p=0.8, min_p=0.1, seed=1)] * 3
-    Sampler().sample(logits, params, [_generator(i) for i in range(3)], [[1, 2, 3]] * 3)
-    assert torch.equal(logits, before)
+    for penalty in (1.7, 1.0):
+        params = [SamplingParams(repetition_penalty=penalty, top_k=5, top_p=0.8, min_p=0.1, temperature=0.5)] * 3
+        Sampler().sample(logits, params, [_generator(i) for i in range(3)], [[1, 2, 3]] * 3)
+        assert torch.equal(logits, before)
 
 
 def test_seeded_row_is_reproducible_whatever_the_batch():

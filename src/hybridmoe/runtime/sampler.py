@@ -58,16 +58,10 @@ class Sampler:
             rows = torch.tensor(greedy_rows, device=device)
             next_ids[rows] = logits[rows].argmax(dim=-1)
         if sampling_rows:
-            row_logits = logits
-            if len(sampling_rows) < logits.shape[0]:
-                row_logits = logits[torch.tensor(sampling_rows, device=device)]  # [R, V]
-            row_params = [params[i] for i in sampling_rows]
-            probs = _kept_probabilities(row_logits, row_params)  # [R, V], not normalised
-            ids = _draw(probs, [generators[i] for i in sampling_rows])
-            if len(sampling_rows) < logits.shape[0]:
-                next_ids[torch.tensor(sampling_rows, device=device)] = ids
-            else:
-                next_ids = ids
+            rows = torch.tensor(sampling_rows, device=device)
+            row_logits = logits if not greedy_rows else logits[rows]  # [R, V]
+            probs = _kept_probabilities(row_logits, [params[i] for i in sampling_rows])  # [R, V], unnormalised
+            next_ids[rows] = _draw(probs, [generators[i] for i in sampling_rows])
         return next_ids
 
 
