@@ -48,55 +48,72 @@ inline typename V::F decode(const uint8_t* p) {
   else return V::load_fp8(p);
 }
 
-// True when p[0, n) holds an e4m3fn NaN code (0x7F or 0xFF).
+// True when p[0, n) holds an e4m3fn NaN code (0x7F, the largest signed byte, or 0xFF, the largest unsigned).
 inline bool fp8_has_nan(const uint8_t* p, I64 n) {
-  const __m256i m7f = _mm256_set1_epi8(0x7F);
-  __m256i hits = _mm256_setzero_si256();
+  __m256i smax = _mm256_set1_epi8(-128), umax = _mm256_setzero_si256();
   I64 i = 0;
   for (; i + 32 <= n; i += 32) {
-    const __m256i v = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), m7f);
-    hits = _mm256_or_si256(hits, _mm256_cmpeq_epi8(v, m7f));
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+    smax = _mm256_max_epi8(smax, v);
+    umax = _mm256_max_epu8(umax, v);
   }
+  const __m256i hits = _mm256_or_si256(_mm256_cmpeq_epi8(smax, _mm256_set1_epi8(0x7F)),
+                                       _mm256_cmpeq_epi8(umax, _mm256_set1_epi8(-1)));
   bool any = !_mm256_testz_si256(hits, hits);
   for (; i < n; ++i) any |= (p[i] & 0x7F) == 0x7F;
   return any;
 }
 
+// A per-thread scratch buffer of at least n floats (grows, never shrinks).
+inline float* scratch_floats(I64 n) {
+  static thread_local float* buf = nullptr;
+  static thread_local I64 capacity = 0;
+  if (n > capacity) {
+    delete[] buf;
+    buf = new float[static_cast<size_t>(n)];
+    capacity = n;
+  }
+  return buf;
+}
+
+// A per-thread table of at least n pointers (grows, never shrinks).
+inline const float** scratch_pointers(I64 n) {
+  static thread_local const float** buf = nullptr;
+  static thread_local I64 capacity = 0;
+  if (n > capacity) {
+    delete[] buf;
+    buf = new const float*[static_cast<size_t>(n)];
+    capacity = n;
+  }
+  return buf;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Float formats
 
-// out[i][j] = sum over k in [k0, k1) of W[row i][k] * x[token j][k]; `bc` = scale block width (fp8) or k1-k0.
-template <class V, WFormat F, int R, int MT>
-inline void fp_tile(const uint8_t* const* rowp, const float* const* srow, I64 k0, I64 k1, I64 bc,
-                    const float* const* xr, float (&out)[R][MT]) {
+// out[i][j] = sum over k in [0, n) of W[row i][k] * x[token j][k]. kPadded: rows readable (zero) up to a
+// multiple of W; else the last partial vector is copied into a zero-padded buffer (x is zero-padded always).
+template <class V, WFormat F, bool kPadded, int R, int MT>
+inline void fp_tile(const uint8_t* const* rowp, I64 n, const float* const* xr, float (&out)[R][MT]) {
   constexpr int W = V::W;
   constexpr I64 B = bytes_per_weight<F>();
   typename V::F acc[R][MT];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = V::zero();
-  for (I64 kb = k0; kb < k1; kb += bc) {
-    const I64 ke = imin(kb + bc, k1);
-    typename V::F s[R];
-    if constexpr (F == WFormat::FP8) {
-      for (int i = 0; i < R; ++i) s[i] = V::set1(srow[i][kb / bc] * 0x1p120f);
+  I64 k = 0;
+  for (; k + W <= n || (kPadded && k < n); k += W) {
+    for (int i = 0; i < R; ++i) {
+      const typename V::F w = decode<V, F>(rowp[i] + k * B);
+      for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xr[j] + k), acc[i][j]);
     }
-    I64 k = kb;
-    for (; k + W <= ke; k += W) {
-      for (int i = 0; i < R; ++i) {
-        typename V::F w = decode<V, F>(rowp[i] + k * B);
-        if constexpr (F == WFormat::FP8) w = V::mul(w, s[i]);
-        for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xr[j] + k), acc[i][j]);
-      }
-    }
-    if (k < ke) {  // end of a row whose length is not a multiple of W: zero-padded copy (x is zero-padded)
-      alignas(64) uint8_t tail[W * B];
-      for (int i = 0; i < R; ++i) {
-        std::memset(tail, 0, sizeof(tail));
-        std::memcpy(tail, rowp[i] + k * B, static_cast<size_t>((ke - k) * B));
-        typename V::F w = decode<V, F>(tail);
-        if constexpr (F == WFormat::FP8) w = V::mul(w, s[i]);
-        for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xr[j] + k), acc[i][j]);
-      }
+  }
+  if (!kPadded && k < n) {
+    alignas(64) uint8_t tail[W * B];
+    for (int i = 0; i < R; ++i) {
+      std::memset(tail, 0, sizeof(tail));
+      std::memcpy(tail, rowp[i] + k * B, static_cast<size_t>((n - k) * B));
+      const typename V::F w = decode<V, F>(tail);
+      for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xr[j] + k), acc[i][j]);
     }
   }
   for (int i = 0; i < R; ++i)
@@ -113,60 +130,149 @@ inline void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_rows, bool 
     }
 }
 
+// All token tiles of one 4-row tile: y rows [row0, row0 + valid) (+)= W4 [k0, k0 + n) . x[m][k0, k0 + n).
+template <class V, WFormat F, bool kPadded>
+inline void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const float* const* xrows, I64 M, I64 k0,
+                                float* y, I64 ldy, I64 row0, I64 valid, bool first) {
+  I64 m = 0;
+  for (; m + 2 <= M; m += 2) {  // 4 rows x 2 tokens: each x vector feeds 4 FMAs (x streams from L2)
+    const float* xr[2] = {xrows[m] + k0, xrows[m + 1] + k0};
+    float o[4][2];
+    fp_tile<V, F, kPadded, 4, 2>(rowp, n, xr, o);
+    store_tile<4, 2>(y, ldy, m, row0, valid, first, o);
+  }
+  if (m < M) {
+    const float* xr[1] = {xrows[m] + k0};
+    float o[4][1];
+    fp_tile<V, F, kPadded, 4, 1>(rowp, n, xr, o);
+    store_tile<4, 1>(y, ldy, m, row0, valid, first, o);
+  }
+}
+
+inline void set_nan_rows(const bool* nan_row, I64 rb, I64 re, I64 r0, I64 M, float* y, I64 ldy) {
+  for (I64 r = rb; r < re; ++r)
+    if (nan_row[r - rb])
+      for (I64 m = 0; m < M; ++m) y[m * ldy + r - r0] = NAN;
+}
+
+// The end of the segment of rows starting at r that share one fp8 scale row (rows of one row block).
+inline I64 segment_end(const Matrix& w, I64 r, I64 re) {
+  return w.fmt == WFormat::FP8 ? imin(re, (r / w.block_rows + 1) * w.block_rows) : re;
+}
+
+constexpr I64 kMaxTokensGemv = kGemmMinTokens;  // token pointers the GEMV path keeps on the stack
+
+// GEMV path: whole rows, tiles of 4 rows; fp8 block scales (times 2^8) are folded into a copy of the few
+// tokens' activations per row block, so the inner loop is decode + FMA.
 template <class V, WFormat F>
-void matmul_fp(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
+void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
   const I64 K = w.cols, M = x.m;
-  const I64 bc = F == WFormat::FP8 ? w.block_cols : K;
-  const I64 kc = !gemm ? K : (F == WFormat::FP8 ? bc * imax(1, kGemmChunkK / bc) : kGemmChunkK);
+  const float* xrows[kMaxTokensGemv];
+  for (I64 m = 0; m < M; ++m) xrows[m] = x_row(x, m);
+  for (I64 rb = r0; rb < r1; rb += kRowBlock) {
+    const I64 re = imin(rb + kRowBlock, r1);
+    bool nan_row[kRowBlock] = {};
+    for (I64 s0 = rb; s0 < re;) {
+      const I64 s1 = segment_end(w, s0, re);
+      if constexpr (F == WFormat::FP8) {
+        const float* srow = static_cast<const float*>(w.scales) + (s0 / w.block_rows) * w.scale_stride;
+        float* scaled = scratch_floats(M * x.ldx);
+        for (I64 m = 0; m < M; ++m) {
+          float* dst = scaled + m * x.ldx;
+          const float* src = x_row(x, m);
+          for (I64 kb = 0; kb < K; kb += w.block_cols) {
+            const float s = srow[kb / w.block_cols] * 0x1p8f;
+            for (I64 k = kb; k < imin(K, kb + w.block_cols); ++k) dst[k] = src[k] * s;
+          }
+          for (I64 k = K; k < x.ldx; ++k) dst[k] = 0.0f;
+          xrows[m] = dst;
+        }
+      }
+      for (I64 r = s0; r < s1; r += 4) {
+        const uint8_t* rowp[4];
+        for (int i = 0; i < 4; ++i) {
+          rowp[i] = w.data + imin(r + i, s1 - 1) * w.row_bytes;  // a short tile repeats its last row (not stored)
+          if constexpr (F == WFormat::FP8)
+            if (r + i < s1 && fp8_has_nan(rowp[i], K)) nan_row[r + i - rb] = true;
+        }
+        row_tile_all_tokens<V, F, false>(rowp, K, xrows, M, 0, y, ldy, r - r0, imin(4, s1 - r), true);
+      }
+      s0 = s1;
+    }
+    if constexpr (F == WFormat::FP8) set_nan_rows(nan_row, rb, re, r0, M, y, ldy);
+  }
+}
+
+// dst[k] = decode(src[k]) * s for k in [kb, ke) (a partial last vector through a zero-padded copy).
+template <class V, WFormat F>
+inline void decode_store(const uint8_t* src, float* dst, I64 kb, I64 ke, typename V::F s) {
+  constexpr int W = V::W;
+  constexpr I64 B = bytes_per_weight<F>();
+  I64 k = kb;
+  for (; k + W <= ke; k += W) V::store(dst + k, V::mul(decode<V, F>(src + k * B), s));
+  if (k < ke) {
+    alignas(64) uint8_t tail[W * B];
+    std::memset(tail, 0, sizeof(tail));
+    std::memcpy(tail, src + k * B, static_cast<size_t>((ke - k) * B));
+    V::store(dst + k, V::mul(decode<V, F>(tail), s));
+  }
+}
+
+// GEMM path: K in chunks whose activations stay in L2; each 4-row tile's chunk is decoded once (scales
+// applied) into a float32 panel in L1, then every token tile runs FMA-only register tiles over it. Float32
+// weights are read in place.
+template <class V, WFormat F>
+void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
+  constexpr int W = V::W;
+  constexpr I64 B = bytes_per_weight<F>();
+  const I64 K = w.cols, M = x.m;
+  const float** xrows = scratch_pointers(M);
+  for (I64 m = 0; m < M; ++m) xrows[m] = x_row(x, m);
+  const I64 bc = F == WFormat::FP8 ? w.block_cols : kGemmChunkK;
+  const I64 kc = bc * imax(1, kGemmChunkK / bc);
+  const I64 panel_ld = (kc + W - 1) / W * W;
+  float* panel = scratch_floats(4 * panel_ld);
   const float* scales = static_cast<const float*>(w.scales);
   for (I64 rb = r0; rb < r1; rb += kRowBlock) {
     const I64 re = imin(rb + kRowBlock, r1);
     bool nan_row[kRowBlock] = {};
     for (I64 k0 = 0; k0 < K; k0 += kc) {
-      const I64 k1 = imin(k0 + kc, K);
-      const I64 blk = F == WFormat::FP8 ? bc : k1 - k0;
+      const I64 n = imin(kc, K - k0);
       for (I64 r = rb; r < re; r += 4) {
         const uint8_t* rowp[4];
-        const float* srow[4] = {nullptr, nullptr, nullptr, nullptr};
         for (int i = 0; i < 4; ++i) {
-          const I64 ri = imin(r + i, re - 1);  // a short last tile repeats its last row (not stored)
-          rowp[i] = w.data + ri * w.row_bytes;
-          if constexpr (F == WFormat::FP8) {
-            srow[i] = scales + (ri / w.block_rows) * w.scale_stride;
-            if (r + i < re && fp8_has_nan(rowp[i] + k0, k1 - k0)) nan_row[r + i - rb] = true;
+          const I64 ri = imin(r + i, re - 1);  // a short tile repeats its last row (not stored)
+          const uint8_t* src = w.data + ri * w.row_bytes + k0 * B;
+          if constexpr (F == WFormat::F32) {
+            rowp[i] = src;
+            continue;
           }
+          float* dst = panel + i * panel_ld;
+          if constexpr (F == WFormat::FP8) {
+            if (r + i < re && fp8_has_nan(src, n)) nan_row[r + i - rb] = true;
+            const float* srow = scales + (ri / w.block_rows) * w.scale_stride;
+            for (I64 kb = 0; kb < n; kb += bc)
+              decode_store<V, F>(src, dst, kb, imin(n, kb + bc), V::set1(srow[(k0 + kb) / bc] * 0x1p8f));
+          } else {
+            decode_store<V, F>(src, dst, 0, n, V::set1(1.0f));
+          }
+          for (I64 k = n; k < (n + W - 1) / W * W; ++k) dst[k] = 0.0f;
+          rowp[i] = reinterpret_cast<const uint8_t*>(dst);
         }
-        const I64 valid = imin(4, re - r), row0 = r - r0;
-        const bool first = k0 == 0;
-        I64 m = 0;
-        for (; m + 4 <= M; m += 4) {
-          const float* xr[4] = {x_row(x, m), x_row(x, m + 1), x_row(x, m + 2), x_row(x, m + 3)};
-          float lo[2][4], hi[2][4];
-          fp_tile<V, F, 2, 4>(rowp, srow, k0, k1, blk, xr, lo);
-          fp_tile<V, F, 2, 4>(rowp + 2, srow + 2, k0, k1, blk, xr, hi);
-          store_tile<2, 4>(y, ldy, m, row0, valid, first, lo);
-          store_tile<2, 4>(y, ldy, m, row0 + 2, valid - 2, first, hi);
-        }
-        for (; m + 2 <= M; m += 2) {
-          const float* xr[2] = {x_row(x, m), x_row(x, m + 1)};
-          float o[4][2];
-          fp_tile<V, F, 4, 2>(rowp, srow, k0, k1, blk, xr, o);
-          store_tile<4, 2>(y, ldy, m, row0, valid, first, o);
-        }
-        for (; m < M; ++m) {
-          const float* xr[1] = {x_row(x, m)};
-          float o[4][1];
-          fp_tile<V, F, 4, 1>(rowp, srow, k0, k1, blk, xr, o);
-          store_tile<4, 1>(y, ldy, m, row0, valid, first, o);
-        }
+        if constexpr (F == WFormat::F32)
+          row_tile_all_tokens<V, WFormat::F32, false>(rowp, n, xrows, M, k0, y, ldy, r - r0, imin(4, re - r), k0 == 0);
+        else
+          row_tile_all_tokens<V, WFormat::F32, true>(rowp, n, xrows, M, k0, y, ldy, r - r0, imin(4, re - r), k0 == 0);
       }
     }
-    if constexpr (F == WFormat::FP8) {
-      for (I64 r = rb; r < re; ++r)
-        if (nan_row[r - rb])
-          for (I64 m = 0; m < M; ++m) y[m * ldy + r - r0] = NAN;
-    }
+    if constexpr (F == WFormat::FP8) set_nan_rows(nan_row, rb, re, r0, M, y, ldy);
   }
+}
+
+template <class V, WFormat F>
+void matmul_fp(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
+  if (!gemm && x.m <= kMaxTokensGemv) return matmul_fp_gemv<V, F>(w, r0, r1, x, y, ldy);
+  return matmul_fp_gemm<V, F>(w, r0, r1, x, y, ldy);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -178,18 +284,6 @@ inline __m256i unpack_u4(const uint8_t* p) {
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
 }
 
-template <ScaleType ST>
-inline float scale_to_float(uint16_t s) {
-  if constexpr (ST == ScaleType::BF16) {
-    const uint32_t u = static_cast<uint32_t>(s) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  } else {
-    return _cvtsh_ss(s);
-  }
-}
-
 inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -197,56 +291,81 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// out[i][j] = sum over groups [g0, g1) of ws[i][g] * xs[j][g] * (integer dot of the group).
-template <class V, WFormat F, ScaleType ST, int R, int MT>
-inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 g0, I64 g1, int group,
+// 8 group scales (bf16 or f16) -> floats.
+template <ScaleType ST>
+inline __m256 load_scales8(const uint16_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (ST == ScaleType::BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  else return _mm256_cvtph_ps(v);
+}
+
+// out[i][j] = sum over groups [g0, g1) of ws[i][g] * xs[j][g] * (integer dot of the group), kChunks = g / 32.
+// Scales are combined 8 groups at a time in vectors (weight scale x activation scale into a small table the
+// group loop broadcasts from), and so is the correction for unsigned-offset dot products (offset * ws * xs *
+// sum(q)).
+template <class V, WFormat F, ScaleType ST, int kChunks, int R, int MT>
+inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 g0, I64 g1,
                      const int8_t* const* xq, const float* const* xs, const float* const* xsum,
                      float (&out)[R][MT]) {
   constexpr float kOffset = F == WFormat::INT4 ? 8.0f : static_cast<float>(V::kI8Offset);
-  __m256 accf[R][MT];
-  float corr[R][MT];
+  constexpr int kGroup = 32 * kChunks;
+  __m256 accf[R][MT], corr[R][MT];
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < MT; ++j) {
-      accf[i][j] = _mm256_setzero_ps();
-      corr[i][j] = 0.0f;
-    }
-  const int chunks = group / 32;
-  for (I64 g = g0; g < g1; ++g) {
-    __m256i acci[R][MT];
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < MT; ++j) acci[i][j] = _mm256_setzero_si256();
-    for (int c = 0; c < chunks; ++c) {
-      const I64 e = g * group + c * 32;
-      __m256i wv[R];
-      for (int i = 0; i < R; ++i) {
-        if constexpr (F == WFormat::INT4) wv[i] = unpack_u4(rowp[i] + e / 2);
-        else wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rowp[i] + e));
-      }
+    for (int j = 0; j < MT; ++j) accf[i][j] = corr[i][j] = _mm256_setzero_ps();
+  alignas(32) float combined[R][MT][8];
+  for (I64 gb = g0; gb < g1; gb += 8) {
+    const I64 nb = imin(8, g1 - gb);
+    for (int i = 0; i < R; ++i) {
+      alignas(16) uint16_t ws_tail[8] = {};
+      if (nb < 8) std::memcpy(ws_tail, srow[i] + gb, static_cast<size_t>(nb) * 2);
+      const __m256 ws = load_scales8<ST>(nb == 8 ? srow[i] + gb : ws_tail);
       for (int j = 0; j < MT; ++j) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + e));
+        alignas(32) float xs_tail[8] = {}, xsum_tail[8] = {};
+        if (nb < 8) {
+          std::memcpy(xs_tail, xs[j] + gb, static_cast<size_t>(nb) * 4);
+          std::memcpy(xsum_tail, xsum[j] + gb, static_cast<size_t>(nb) * 4);
+        }
+        _mm256_store_ps(combined[i][j], _mm256_mul_ps(ws, _mm256_loadu_ps(nb == 8 ? xs[j] + gb : xs_tail)));
+        if constexpr (kOffset != 0.0f)
+          corr[i][j] = _mm256_fmadd_ps(ws, _mm256_loadu_ps(nb == 8 ? xsum[j] + gb : xsum_tail), corr[i][j]);
+      }
+    }
+    for (I64 gi = 0; gi < nb; ++gi) {
+      const I64 e0 = (gb + gi) * kGroup;
+      __m256i acci[R][MT];
+      for (int i = 0; i < R; ++i)
+        for (int j = 0; j < MT; ++j) acci[i][j] = _mm256_setzero_si256();
+      for (int c = 0; c < kChunks; ++c) {
+        const I64 e = e0 + c * 32;
+        __m256i wv[R];
         for (int i = 0; i < R; ++i) {
-          if constexpr (F == WFormat::INT4) acci[i][j] = V::dot_u4(acci[i][j], wv[i], xv);
-          else acci[i][j] = V::dot_i8(acci[i][j], wv[i], xv);
+          if constexpr (F == WFormat::INT4) wv[i] = unpack_u4(rowp[i] + e / 2);
+          else wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rowp[i] + e));
+        }
+        for (int j = 0; j < MT; ++j) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + e));
+          for (int i = 0; i < R; ++i) {
+            if constexpr (F == WFormat::INT4) acci[i][j] = V::dot_u4(acci[i][j], wv[i], xv);
+            else acci[i][j] = V::dot_i8(acci[i][j], wv[i], xv);
+          }
         }
       }
-    }
-    for (int i = 0; i < R; ++i) {
-      const float ws = scale_to_float<ST>(srow[i][g]);
-      for (int j = 0; j < MT; ++j) {
-        accf[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[i][j]), _mm256_set1_ps(ws * xs[j][g]), accf[i][j]);
-        if constexpr (kOffset != 0.0f) corr[i][j] += ws * xsum[j][g];
-      }
+      for (int i = 0; i < R; ++i)
+        for (int j = 0; j < MT; ++j)
+          accf[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[i][j]), _mm256_broadcast_ss(&combined[i][j][gi]),
+                                       accf[i][j]);
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < MT; ++j) out[i][j] = hsum256(accf[i][j]) - kOffset * corr[i][j];
+    for (int j = 0; j < MT; ++j) out[i][j] = hsum256(accf[i][j]) - kOffset * hsum256(corr[i][j]);
 }
 
-template <class V, WFormat F, ScaleType ST>
+template <class V, WFormat F, ScaleType ST, int kChunks>
 void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
   const I64 M = x.m, groups = w.padded_cols / w.group;
   const I64 gc = gemm ? imax(1, kGemmChunkK / w.group) : groups;
   const uint16_t* scales = static_cast<const uint16_t*>(w.scales);
+  constexpr int kWideRows = kChunks == 1 ? 2 : 1;  // rows of the 4-token tile (int accumulators cost registers)
   for (I64 g0 = 0; g0 < groups; g0 += gc) {
     const I64 g1 = imin(g0 + gc, groups);
     const bool first = g0 == 0;
@@ -268,10 +387,10 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
           xs[j] = qscale_row(x, m + j);
           xsum[j] = qsum_row(x, m + j);
         }
-        for (int i = 0; i < 4; ++i) {
-          float o[1][4];
-          int_tile<V, F, ST, 1, 4>(rowp + i, srow + i, g0, g1, w.group, xq, xs, xsum, o);
-          store_tile<1, 4>(y, ldy, m, row0 + i, valid - i, first, o);
+        for (int i = 0; i < 4; i += kWideRows) {
+          float o[kWideRows][4];
+          int_tile<V, F, ST, kChunks, kWideRows, 4>(rowp + i, srow + i, g0, g1, xq, xs, xsum, o);
+          store_tile<kWideRows, 4>(y, ldy, m, row0 + i, valid - i, first, o);
         }
       }
       for (; m + 2 <= M; m += 2) {
@@ -280,7 +399,7 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
         const float* xsum[2] = {qsum_row(x, m), qsum_row(x, m + 1)};
         for (int i = 0; i < 4; i += 2) {
           float o[2][2];
-          int_tile<V, F, ST, 2, 2>(rowp + i, srow + i, g0, g1, w.group, xq, xs, xsum, o);
+          int_tile<V, F, ST, kChunks, 2, 2>(rowp + i, srow + i, g0, g1, xq, xs, xsum, o);
           store_tile<2, 2>(y, ldy, m, row0 + i, valid - i, first, o);
         }
       }
@@ -289,11 +408,17 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
         const float* xs[1] = {qscale_row(x, m)};
         const float* xsum[1] = {qsum_row(x, m)};
         float o[4][1];
-        int_tile<V, F, ST, 4, 1>(rowp, srow, g0, g1, w.group, xq, xs, xsum, o);
+        int_tile<V, F, ST, kChunks, 4, 1>(rowp, srow, g0, g1, xq, xs, xsum, o);
         store_tile<4, 1>(y, ldy, m, row0, valid, first, o);
       }
     }
   }
+}
+
+template <class V, WFormat F, ScaleType ST>
+void matmul_int_group(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
+  if (w.group == 32) matmul_int<V, F, ST, 1>(w, r0, r1, x, y, ldy, gemm);
+  else matmul_int<V, F, ST, 4>(w, r0, r1, x, y, ldy, gemm);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -309,11 +434,11 @@ void matmul(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64
     case WFormat::F16: return matmul_fp<V, WFormat::F16>(w, r0, r1, x, y, ldy, gemm);
     case WFormat::FP8: return matmul_fp<V, WFormat::FP8>(w, r0, r1, x, y, ldy, gemm);
     case WFormat::INT4:
-      return bf16_scales ? matmul_int<V, WFormat::INT4, ScaleType::BF16>(w, r0, r1, x, y, ldy, gemm)
-                         : matmul_int<V, WFormat::INT4, ScaleType::F16>(w, r0, r1, x, y, ldy, gemm);
+      return bf16_scales ? matmul_int_group<V, WFormat::INT4, ScaleType::BF16>(w, r0, r1, x, y, ldy, gemm)
+                         : matmul_int_group<V, WFormat::INT4, ScaleType::F16>(w, r0, r1, x, y, ldy, gemm);
     case WFormat::INT8:
-      return bf16_scales ? matmul_int<V, WFormat::INT8, ScaleType::BF16>(w, r0, r1, x, y, ldy, gemm)
-                         : matmul_int<V, WFormat::INT8, ScaleType::F16>(w, r0, r1, x, y, ldy, gemm);
+      return bf16_scales ? matmul_int_group<V, WFormat::INT8, ScaleType::BF16>(w, r0, r1, x, y, ldy, gemm)
+                         : matmul_int_group<V, WFormat::INT8, ScaleType::F16>(w, r0, r1, x, y, ldy, gemm);
   }
 }
 

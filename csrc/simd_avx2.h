@@ -33,11 +33,13 @@ struct Avx2 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   }
   static F load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  // e4m3fn codes -> value * 2^-120 (exact, subnormals included; NaN codes are caught by fp8_nan_scan).
+  // e4m3fn codes -> value * 2^-8, exact: the code's bits placed into an IEEE half (exponent bias 15 vs 7),
+  // converted by F16C, so fp8 subnormals become normal floats (no float32 denormals). NaN codes are not
+  // mapped to NaN here; the kernels detect them per row (fp8_has_nan).
   static F load_fp8(const uint8_t* p) {
-    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    v = _mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(static_cast<int>(0x87F00000u)));
-    return _mm256_castsi256_ps(v);
+    __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    h = _mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(static_cast<short>(0xBF80)));
+    return _mm256_cvtph_ps(h);
   }
 
   // e^x, relative error ~2e-7 (Cephes polynomial); NaN propagates.

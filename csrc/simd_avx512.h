@@ -28,10 +28,11 @@ struct Avx512 {
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
   }
   static F load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  // e4m3fn codes -> value * 2^-8 through IEEE half bits (see simd_avx2.h).
   static F load_fp8(const uint8_t* p) {
-    __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    v = _mm512_and_si512(_mm512_slli_epi32(v, 20), _mm512_set1_epi32(static_cast<int>(0x87F00000u)));
-    return _mm512_castsi512_ps(v);
+    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+    return _mm512_cvtph_ps(h);
   }
 
   static F exp(F x) {
