@@ -352,3 +352,26 @@ def test_missing_sampled_token_is_an_error():
 def test_bad_limits_are_rejected():
     with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1"):
         _scheduler(block_size=4, num_blocks=10, max_num_seqs=0, max_num_batched_tokens=64)
+
+
+def test_no_request_starves_under_a_steady_stream_of_new_ones():
+    """New requests arrive faster than they finish, under KV pressure: the oldest unfinished request is
+    scheduled in every single step, so each request in turn makes progress until it finishes."""
+    rng = random.Random(77)
+    scheduler = _scheduler(block_size=4, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=16)
+    model = FakePagedModel(scheduler.block_manager)
+    requests = make_requests(rng, 1000, MAX_PROMPT, MAX_TOKENS)
+    arrivals = iter(requests)
+    preemptions = 0
+    for _ in range(400):
+        for _ in range(2):
+            scheduler.add_request(next(arrivals))
+        oldest = next(r for r in requests if not r.is_finished)
+        output = scheduler.schedule()
+        check_step(scheduler, output)
+        preemptions += len(output.preempted)
+        assert oldest in [item.request for item in output.scheduled]
+        scheduler.update_from_output(output, model.run(output))
+    finished = [r for r in requests if r.is_finished]
+    assert len(finished) > 30 and preemptions > 0
+    assert_outputs_match_reference(finished)
