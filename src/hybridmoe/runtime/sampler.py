@@ -30,8 +30,8 @@ _MIN_TOP_P_CANDIDATES = 1024  # most LLM nuclei are far smaller; larger ones fal
 
 
 class Sampler:
-    """Stateless; one instance serves the engine. Logits may live on any device; a row's generator must
-    live on the same device as the logits."""
+    """Stateless; one instance serves the engine. Logits may live on any device; a row's generator may live
+    on the logits' device or on the CPU (its one number per row is then copied over)."""
 
     def sample(
         self,
@@ -196,7 +196,7 @@ def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> 
         )
     for i, generator in enumerate(generators):
         if generator is not None:
-            uniform[i] = torch.rand((), dtype=torch.float64, device=device, generator=generator)
+            uniform[i] = torch.rand((), dtype=torch.float64, device=generator.device, generator=generator)
     cdf = probs.to(torch.float64).cumsum(dim=-1)  # [R, V]
     total = cdf[:, -1]  # [R]
     # The first token whose cdf exceeds u * total; capped just below total so the search stays in range.
