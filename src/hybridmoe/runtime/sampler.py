@@ -148,11 +148,10 @@ def _top_k_top_p_threshold(logits: torch.Tensor, params: Sequence[SamplingParams
 
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)  # [R]
     # Normaliser of the distribution top-p sees: over the top-k survivors, or over the whole row.
-    log_norm = torch.where(
-        k < vocab_size,
-        candidates.masked_fill(candidates < top_k_threshold[:, None], -math.inf).logsumexp(dim=-1),
-        logits.logsumexp(dim=-1),
-    )  # [R]
+    log_norm = candidates.masked_fill(candidates < top_k_threshold[:, None], -math.inf).logsumexp(dim=-1)  # [R]
+    without_top_k = k == vocab_size  # [R]
+    if bool(without_top_k.any()):
+        log_norm = torch.where(without_top_k, logits.logsumexp(dim=-1), log_norm)
     top_p_threshold, covered = _nucleus_threshold(candidates, top_k_threshold, log_norm, top_p)
     uncovered = (~covered).nonzero().flatten()
     if uncovered.numel():  # the nucleus reaches past the candidates: sort those rows in full
