@@ -50,23 +50,24 @@ def test_prefill_logits_and_greedy_tokens_match_transformers(tiny_model_dir, nam
     model_dir = tiny_model_dir(model_type, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = _prompts(hf.config.vocab_size)
+    with torch.no_grad():
+        refs = [hf(torch.tensor([p])).logits[0] for p in prompts]  # [n, V] each
 
-    runner = ModelRunner(load_model(model_dir, "float32"), num_blocks=32, block_size=4)
-    chunks, next_block = [], 0
-    for p in prompts:  # block tables interleaved across sequences on purpose
-        n = -(-len(p) // 4)
-        chunks.append(SequenceChunk(p, 0, list(range(next_block, next_block + 2 * n, 2))))
-        next_block += 2 * n
-    ours = runner.forward(chunks, all_logits=True)  # [T, V]
-    start = 0
-    for p in prompts:
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0]  # [n, V]
-        err = (ours[start:start + len(p)] - ref).abs().max() / ref.abs().max()
-        assert err < 1e-4, f"{name}: prompt of {len(p)} tokens, relative logit error {err:.2e}"
-        start += len(p)
+    for backend in ("cpu", "torch"):
+        runner = ModelRunner(load_model(model_dir, "float32", backend), num_blocks=32, block_size=4)
+        chunks, next_block = [], 0
+        for p in prompts:  # block tables interleaved across sequences on purpose
+            n = -(-len(p) // 4)
+            chunks.append(SequenceChunk(p, 0, list(range(next_block, next_block + 2 * n, 2))))
+            next_block += 2 * n
+        ours = runner.forward(chunks, all_logits=True)  # [T, V]
+        start = 0
+        for p, ref in zip(prompts, refs):
+            err = (ours[start:start + len(p)] - ref).abs().max() / ref.abs().max()
+            assert err < 1e-4, f"{name}, {backend} experts: prompt of {len(p)} tokens, relative logit error {err:.2e}"
+            start += len(p)
 
-    llm = LLM(model_dir, dtype="float32", block_size=4)
+    llm = LLM(model_dir, dtype="float32", block_size=4)  # default: routed experts on the C++ kernels
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     results = llm.generate(prompts, greedy)
     for p, result in zip(prompts, results):

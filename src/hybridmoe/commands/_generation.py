@@ -15,6 +15,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, model_required: bool = 
     parser.add_argument("--model", required=model_required, help="Hugging Face model directory (local)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
+    parser.add_argument("--expert-backend", default="cpu", choices=["cpu", "torch"],
+                        help="routed experts on the C++ CPU kernels (default) or the plain-torch reference")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -38,7 +40,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def build_engine(model_dir, args: argparse.Namespace) -> LLMEngine:
-    return LLMEngine(model_dir, EngineConfig(dtype=args.dtype, kv_cache_gb=args.kv_cache_gb))
+    return LLMEngine(model_dir, EngineConfig(dtype=args.dtype, kv_cache_gb=args.kv_cache_gb,
+                                             expert_backend=args.expert_backend))
 
 
 @dataclass

@@ -17,6 +17,7 @@ def register(subparsers) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--kv-cache-gb", type=float, default=0.25)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--expert-backend", default="cpu", choices=["cpu", "torch"])
     parser.set_defaults(func=run)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from hybridmoe.checkpoint.safetensors_reader import CheckpointReader
 from hybridmoe.config import ModelConfig, load_config
+from hybridmoe.layers.moe.cpu_backend import CpuExpertBackend
 from hybridmoe.layers.moe.torch_backend import TorchExpertBackend
 from hybridmoe.models import deepseek_v3, mixtral, qwen3_moe
 from hybridmoe.models.decoder import ArchSpec, ExpertBackendFactory, MoEDecoderModel, build_decoder
@@ -19,6 +20,8 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "MixtralForCausalLM": mixtral.SPEC,
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Routed-expert backends: "cpu" runs the C++ kernels (the default), "torch" the plain-torch reference.
+EXPERT_BACKENDS: dict[str, ExpertBackendFactory] = {"cpu": CpuExpertBackend, "torch": TorchExpertBackend}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -29,9 +32,15 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(model_dir: str | Path, dtype: str | torch.dtype = "bfloat16",
-               backend_factory: ExpertBackendFactory = TorchExpertBackend,
+def expert_backend_factory(name: str) -> ExpertBackendFactory:
+    if name not in EXPERT_BACKENDS:
+        raise ValueError(f"expert backend {name!r} is not supported; choose one of {list(EXPERT_BACKENDS)}")
+    return EXPERT_BACKENDS[name]
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "bfloat16", expert_backend: str = "cpu",
                config: ModelConfig | None = None, show_progress: bool | None = None) -> MoEDecoderModel:
+    backend_factory = expert_backend_factory(expert_backend)
     config = config or load_config(model_dir)
     reader = CheckpointReader(model_dir)
     loader = WeightLoader(reader, config, resolve_dtype(dtype), show_progress)

@@ -31,6 +31,7 @@ from hybridmoe.runtime.tokenizer import load_tokenizer
 @dataclass
 class EngineConfig:
     dtype: str = "bfloat16"
+    expert_backend: str = "cpu"  # routed experts: "cpu" (C++ kernels) | "torch" (reference)
     block_size: int = 16
     kv_cache_gb: float = 1.0  # memory for the paged KV cache
     max_num_seqs: int = 32
@@ -59,8 +60,8 @@ class LLMEngine:
         self.model_dir = Path(model_dir)
         self.model_config = load_config(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = load_model(model_dir, resolve_dtype(cfg.dtype), config=self.model_config,
-                                show_progress=show_progress)
+        self.model = load_model(model_dir, resolve_dtype(cfg.dtype), cfg.expert_backend,
+                                config=self.model_config, show_progress=show_progress)
         num_blocks = ModelRunner.blocks_for_memory(self.model, int(cfg.kv_cache_gb * 2**30), cfg.block_size)
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
@@ -87,7 +88,8 @@ class LLMEngine:
                           eos_token_ids=tuple(self.tokenizer.eos_token_ids), arrival_time=time.monotonic())
         self.scheduler.add_request(request)  # validates lengths against the cache
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                                       stop=params.stop)
         self._states[req_id] = _RequestState(request, generator, detok)
         return req_id
 
@@ -152,14 +154,12 @@ class _RequestState:
         self.request, self.generator, self.detok = request, generator, detok
         self.new_ids: list[int] = []
         self.new_text = ""
-        self.emitted_chars = 0  # text streamed so far; the detokenizer may hold a tail back until the end
         self.first_token_time: float | None = None
 
     def take_output(self) -> RequestOutput:
         req = self.request
-        if req.status.is_finished:  # flush what the detokenizer held back (a possible stop-string prefix)
-            self.new_text += self.detok.text[self.emitted_chars + len(self.new_text):]
-        self.emitted_chars += len(self.new_text)
+        if req.status.is_finished:  # what the detokenizer held back (a partial character, a stop-string prefix)
+            self.new_text += self.detok.flush()
         out = RequestOutput(
             req_id=req.req_id, prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
             text=self.detok.text, new_token_ids=self.new_ids, new_text=self.new_text,
