@@ -28,7 +28,7 @@ from hybridmoe.placement.routing import RoutingStats
 
 # Fitted on the paper's 21.5 tok/s FP8 decode (DeepSeek-V3, one RTX 5090, dual-socket CPU) by
 # hybridmoe.placement.paper.fit_dispatch_us(); a test checks that the fit reproduces this value.
-FITTED_DISPATCH_US = 20.0
+FITTED_DISPATCH_US = 61.2
 
 ACTIVATION_BYTES = 2  # hidden states cross the link in bf16
 ROUTER_FORMAT = "bf16"
@@ -57,6 +57,9 @@ class CostModel:
         if spec.moe_layers:
             self.routing.check_model(moe_layers, spec.num_experts, spec.top_k)
         self.row_of_layer = {layer: row for row, layer in enumerate(moe_layers)}
+        self._distinct: dict[tuple[int, float], float] = {}
+        self._gpu_bw: float | None = None
+        self._h2d: float | None = None
         gpu_eff = (self.gpu.attention_efficiency or self.gpu.matmul_efficiency) if self.gpu else None
         self.attention_efficiency = attention_efficiency or gpu_eff
         self.dispatch_s = 1e-6 * (dispatch_us if dispatch_us is not None else
@@ -95,8 +98,10 @@ class CostModel:
         return self.gpu
 
     def gpu_bandwidth(self) -> float:
-        gpu = self._gpu()
-        return gpu.memory_gbs * 1e9 * gpu.memory_efficiency
+        if self._gpu_bw is None:
+            gpu = self._gpu()
+            self._gpu_bw = gpu.memory_gbs * 1e9 * gpu.memory_efficiency
+        return self._gpu_bw
 
     def gpu_rate(self, compute: str, tokens: float) -> float:
         """Achieved matmul FLOP/s at `tokens` rows for a compute key (fp32|bf16|fp8|int8)."""
@@ -130,7 +135,7 @@ class CostModel:
 
     def gpu_experts_s(self, experts: float, pairs: float) -> float:
         """Grouped GEMM over `experts` routed experts that together see `pairs` (token, expert) pairs."""
-        if experts <= 0:
+        if experts <= 1e-9:
             return 0.0
         w = self.spec.moe_layers[0].expert
         rows = pairs / experts  # tokens per expert sets the GEMM shape
@@ -164,7 +169,7 @@ class CostModel:
 
     def cpu_experts_s(self, experts: float, pairs: float, copying: bool = False) -> float:
         """Routed experts on the CPU kernels: `experts` distinct experts read, `pairs` (token, expert) pairs."""
-        if experts <= 0:
+        if experts <= 1e-9:
             return 0.0
         w = self.spec.moe_layers[0].expert
         table = self.cpu.expert_table.get(self.expert_fmt.name)
@@ -196,9 +201,10 @@ class CostModel:
 
     def h2d_gbs(self) -> float:
         """Per-GPU host->device bandwidth, capped by what host memory can feed all GPUs at once."""
-        gpu = self._gpu()
-        feed = self.cpu.memory_read_gbs * self.cpu.stream_efficiency / max(1, self.machine.num_gpus)
-        return min(gpu.h2d_gbs, feed)
+        if self._h2d is None:
+            feed = self.cpu.memory_read_gbs * self.cpu.stream_efficiency / max(1, self.machine.num_gpus)
+            self._h2d = min(self._gpu().h2d_gbs, feed)
+        return self._h2d
 
     def d2h_s(self, nbytes: float) -> float:
         gpu = self._gpu()
@@ -216,7 +222,12 @@ class CostModel:
 
     # ---- routing ---------------------------------------------------------------------------------------
     def distinct_experts(self, layer: int, tokens: float, exclude: np.ndarray | None = None) -> float:
-        return self.routing.expected_distinct(self.row_of_layer[layer], tokens, exclude)
+        if exclude is not None:
+            return self.routing.expected_distinct(self.row_of_layer[layer], tokens, exclude)
+        key = (layer, tokens)
+        if key not in self._distinct:
+            self._distinct[key] = self.routing.expected_distinct(self.row_of_layer[layer], tokens)
+        return self._distinct[key]
 
     def routed_fraction(self, layer: int, experts: np.ndarray) -> float:
         return self.routing.routed_fraction(self.row_of_layer[layer], experts)

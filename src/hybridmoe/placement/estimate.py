@@ -28,6 +28,7 @@ class PrefillEstimate:
     ttft_s: float
     timeline: Timeline
     variant: str = ""  # slp: "whole-layer prefetch" | "activated-only"
+    reload_s: float = 0.0  # reloading evicted resident layers after the first token (not in ttft_s)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -62,6 +63,7 @@ def stream_slots(builder: PassBuilder, buffer_bytes: float | None, gpus: int = 1
 
 
 ACTIVATED = ("auto", "never", "always")
+CHUNK_DIVISORS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # stream-loading tries chunks of prompt/k
 
 
 def prefill(builder: PassBuilder, strategy: str, prompt: int, chunk: int | None = None, gpus: int = 1,
@@ -78,6 +80,8 @@ def prefill(builder: PassBuilder, strategy: str, prompt: int, chunk: int | None 
     chunk = min(prompt, chunk or prompt)
     slot, slots = stream_slots(builder, buffer_bytes, gpus)
     variants = {"auto": [False, True], "never": [False], "always": [True]}[activated] if strategy == "slp" else [False]
+    if activated == "auto" and strategy == "slp" and not _fewer_activated(builder, chunk):
+        variants = [False]  # every expert is activated: waiting for the router cannot pay
     best: PrefillEstimate | None = None
     for activated_only in variants:
         units: list[Unit] = []
@@ -94,30 +98,32 @@ def prefill(builder: PassBuilder, strategy: str, prompt: int, chunk: int | None 
     return best
 
 
+def _fewer_activated(builder: PassBuilder, chunk: int) -> bool:
+    """Whether a chunk leaves at least 2% of some layer's experts unactivated."""
+    cost = builder.cost
+    return any(cost.distinct_experts(l.index, chunk) < 0.98 * l.num_experts for l in builder.spec.moe_layers)
+
+
 def slp_prefill(builder: PassBuilder, prompt: int, free_bytes: float, gpus: int = 1, parallel: str = "tokens",
                 prefetch: bool = True, activated: str = "auto") -> PrefillEstimate | None:
     """The best stream-loading prefill when `free_bytes` of each GPU's memory must hold the chunk's
-    activations and the stream buffer: tries chunks of prompt/k tokens (k = 1, 2, 3, ...), gives each the
-    rest as buffer, keeps the fastest. None if not even a 256-token chunk with two expert slots fits."""
+    activations and the stream buffer: tries chunks of prompt/k tokens (k in CHUNK_DIVISORS, at least 256
+    tokens), gives each the rest as buffer, keeps the fastest. None if no chunk with two expert slots fits."""
     spec, cost = builder.spec, builder.cost
     best: PrefillEstimate | None = None
     tried: set[int] = set()
-    for k in range(1, 257):
+    for k in CHUNK_DIVISORS:
         chunk = min(prompt, -(-(-(-prompt // k)) // 256) * 256)
-        if chunk in tried:
+        if chunk in tried or (chunk < 256 and chunk < prompt):
             continue
         tried.add(chunk)
         local = -(-chunk // gpus) if parallel == "tokens" else chunk
         buffer = free_bytes - spec.activation_bytes(local, prompt)
         if buffer < 2 * cost.expert_bytes:
-            if chunk <= 256:
-                break
             continue
         estimate = prefill(builder, "slp", prompt, chunk, gpus, buffer, parallel, prefetch, activated)
         if best is None or estimate.ttft_s < best.ttft_s:
             best = estimate
-        elif estimate.ttft_s > 1.1 * best.ttft_s:
-            break
     return best
 
 

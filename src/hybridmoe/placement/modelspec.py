@@ -83,16 +83,18 @@ class ModelSpec:
             q = c.hidden_size * n * (p + r) if a.q_lora_rank is None else (
                 c.hidden_size * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * n * (p + r))
             self.kv_b_weights = lat * n * (p + v)
+            norms = lat + (a.q_lora_rank or 0)  # kv_a_layernorm, q_a_layernorm
             attn = q + c.hidden_size * (lat + r) + lat + self.kv_b_weights + n * v * c.hidden_size
             self.kv_values_per_token = lat + r
         else:
             n, hd, kv = a.num_heads, a.head_dim, a.num_kv_heads
             attn = c.hidden_size * hd * (n + 2 * kv) + n * hd * c.hidden_size
-            attn += (n + 2 * kv) * hd if a.bias else 0
-            attn += 2 * hd if a.qk_norm else 0
+            norms = ((n + 2 * kv) * hd if a.bias else 0) + (2 * hd if a.qk_norm else 0)  # biases, q/k norms
+            attn += norms
             self.kv_b_weights = 0
             self.kv_values_per_token = 2 * kv * hd
         attn += 2 * c.hidden_size  # input_layernorm + post_attention_layernorm
+        self.attention_matmul_weights = attn - norms - 2 * c.hidden_size  # what the projections multiply
         bias = m.num_experts if m.topk_method == "noaux_tc" else 0
         expert = 3 * c.hidden_size * m.intermediate_size
         self.layers = tuple(
@@ -166,7 +168,7 @@ class ModelSpec:
         (N*L*V) per query; MLA expanded instead decompresses every context latent through kv_b (C+T tokens).
         """
         a = self.config.attention
-        projections = 2 * (self.layers[0].attention - 2 * self.hidden - self.kv_b_weights) * query_tokens
+        projections = 2 * (self.attention_matmul_weights - self.kv_b_weights) * query_tokens
         if a.kind != "mla":
             return projections
         n, p, v, lat = a.num_heads, a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank

@@ -74,6 +74,7 @@ class PassBuilder:
 
     def __init__(self, cost: CostModel, residency: Residency):
         self.cost, self.res, self.spec = cost, residency, cost.spec
+        self._moe_cache: dict[tuple, list[Unit]] = {}  # MoE units do not depend on the chunk's offset
 
     # ---- pieces ----------------------------------------------------------------------------------------
     def _offloaded(self, name: str, layer: int, nbytes: float, gpu_s: float, cpu_s: float,
@@ -144,6 +145,8 @@ class PassBuilder:
         hot = res.hot_mask(row, shape.num_experts) if gpu else np.zeros(shape.num_experts, dtype=bool)
         gpu_s = cpu_s = 0.0
         for part in ("router", "shared"):
+            if c.part_bytes(l, part) == 0:
+                continue
             resident = gpu and (res.router[l] if part == "router" else res.shared[l])
             if resident:
                 gpu_s += self._dense_part_s(l, part, batch, True)
@@ -160,8 +163,8 @@ class PassBuilder:
             return [Unit("moe", l, gpu_s=gpu_s + c.gpu_experts_s(cold, pairs * (1 - hot_share)),
                          cpu_s=cpu_s, copy_s=c.h2d_s(nbytes), copy_bytes=nbytes)]
         cpu_s += c.cpu_experts_s(cold, pairs * (1 - hot_share))
-        where[f"experts.{l}"] = "cpu"
-        move = c.d2h_s(c.activations_bytes(batch)) + c.h2d_s(c.activations_bytes(batch)) if gpu else 0.0
+        where[f"experts.{l}"] = "cpu" if cold > 1e-9 else "gpu"
+        move = c.d2h_s(c.activations_bytes(batch)) + c.h2d_s(c.activations_bytes(batch)) if gpu and cpu_s else 0.0
         return [Unit("moe", l, gpu_s=gpu_s, cpu_s=cpu_s, handoff_s=move)]
 
     def _lm_head_unit(self, tokens: int) -> Unit:
@@ -193,10 +196,13 @@ class PassBuilder:
             units.append(self.attention_unit(l, chunk, offset, 1, on_cpu, share)[0])
             if not shape.is_moe:
                 units.append(self._dense_prefill_unit(l, chunk, on_cpu, share))
-            elif strategy == "slp":
-                units.extend(self._slp_moe_units(shape, chunk, gpus, slot, activated_only, parallel, prefetch))
             else:
-                units.append(self._local_moe_unit(shape, chunk, on_cpu))
+                key = (l, strategy, chunk, gpus, slot, activated_only, parallel, prefetch)
+                if key not in self._moe_cache:
+                    self._moe_cache[key] = (
+                        self._slp_moe_units(shape, chunk, gpus, slot, activated_only, parallel, prefetch)
+                        if strategy == "slp" else [self._local_moe_unit(shape, chunk, on_cpu)])
+                units.extend(self._moe_cache[key])
         if last:
             units.append(self._lm_head_unit(1))
         return units
@@ -226,7 +232,7 @@ class PassBuilder:
         if hot.any():
             gpu_s += c.gpu_experts_s(c.distinct_experts(l, chunk, exclude=~hot), pairs * hot_share)
         cpu_s += c.cpu_experts_s(c.distinct_experts(l, chunk, exclude=hot), pairs * (1 - hot_share))
-        move = 0.0 if on_cpu else c.d2h_s(c.activations_bytes(chunk)) + c.h2d_s(c.activations_bytes(chunk))
+        move = 0.0 if on_cpu or not cpu_s else c.d2h_s(c.activations_bytes(chunk)) + c.h2d_s(c.activations_bytes(chunk))
         return Unit("moe", l, gpu_s=gpu_s, cpu_s=cpu_s, handoff_s=move)
 
     def _slp_moe_units(self, shape, chunk: int, gpus: int, slot: float, activated_only: bool,

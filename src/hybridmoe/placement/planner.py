@@ -10,9 +10,10 @@ depends on anything but the inputs (deterministic):
   3. routers   4. shared experts   5. dense MLP layers   6. LM head
   7. hot routed experts, most frequently routed first (measured routing statistics, else uniform)
 
-A long stream-loading prefill evicts the hot experts and uses their memory, the scratch and what is left
-for its chunk activations and stream buffers (the hot experts are reloaded afterwards, in the background);
-the prompt's KV cache lives in the KV item, so prompts up to the context length are planned.
+A long stream-loading prefill evicts the hot experts (and, when that is faster, part or all of items 2-6) and
+uses that memory, the scratch and what is left for its chunk activations and stream buffers; what it evicted
+is reloaded after the first token. The prompt's KV cache lives in the KV item, so prompts up to the context
+length are planned.
 
 Per decode batch tier the parts that are not resident run on the CPU or are streamed, whichever is faster,
 with or without dual-batch overlap. The prefill strategy is chosen by prompt length; the crossover is the
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from hybridmoe.placement import estimate
 from hybridmoe.placement.costmodel import CostModel
 from hybridmoe.placement.hardware import Machine
@@ -31,6 +34,8 @@ from hybridmoe.placement.passes import PassBuilder, Residency
 from hybridmoe.placement.routing import RoutingStats
 
 HYBRID_CHUNK = 2048  # prompt tokens per hybrid-prefill step (its activations are reserved in item 1)
+STATIC_KINDS = ("attention", "router", "shared", "dense", "lm_head")
+KEEP_FRACTIONS = (1.0, 0.5, 0.0)  # of the non-expert weights a stream-loading prefill may keep resident
 REPORT_PROMPTS = (1024, 8192, 32768)
 GB = 1e9
 
@@ -105,27 +110,25 @@ class Plan:
 
 
 def priority_items(cost: CostModel, context: int, concurrency: int, tiers: tuple[int, ...]) -> list[Item]:
-    """All placeable items in priority order (see module docstring); `resident` is filled in later."""
+    """Items 1-6 in priority order (see module docstring); `resident` is filled in by `fill`."""
     spec = cost.spec
+    scratch = max(spec.activation_bytes(max(tiers), context), spec.activation_bytes(min(HYBRID_CHUNK, context), context))
     items = [Item("runtime reserve", "reserve", None, cost.gpu.reserved_gb * GB if cost.gpu else 0.0, False),
              Item(f"KV cache ({context} tokens x {concurrency})", "kv", None,
                   float(context * concurrency * spec.kv_bytes_per_token()), False),
-             Item("activation scratch", "scratch", None,
-                  max(spec.activation_bytes(max(tiers), context), spec.activation_bytes(min(HYBRID_CHUNK, context),
-                                                                                       context)), False)]
+             Item("activation scratch", "scratch", None, scratch, False)]
     for kind in ("attention", "router", "shared", "dense"):
         for shape in spec.layers:
             size = cost.part_bytes(shape.index, kind)
             if size > 0:
                 items.append(Item(f"{kind}.{shape.index}", kind, shape.index, size, False))
     items.append(Item("lm_head", "lm_head", None, cost.lm_head_bytes, False))
-    for row, expert in cost.routing.hot_order():
-        layer = cost.routing.layers[row]
-        items.append(Item(f"expert.{layer}.{expert}", "expert", layer, cost.expert_bytes, False))
     return items
 
 
-def _fill(items: list[Item], budget: float) -> list[Item]:
+def fill(cost: CostModel, items: list[Item], budget: float) -> tuple[list[Item], int]:
+    """Place `items` as a prefix within `budget`, then as many hot experts (item 7) as fit in what is left.
+    Returns the items marked resident or not (hot experts grouped by layer) and the number of hot experts."""
     used, out, open_ = 0.0, [], True
     for item in items:
         fits = open_ and used + item.nbytes <= budget
@@ -137,20 +140,29 @@ def _fill(items: list[Item], budget: float) -> list[Item]:
                             f"and activation scratch ({need / GB:.1f} GB); lower --context or --concurrency, "
                             "or raise --vram")
         open_ = fits
-        out.append(Item(item.name, item.kind, item.layer, item.nbytes, fits))
-    return out
+        out.append(replace(item, resident=fits))
+    if not cost.spec.moe_layers:
+        return out, 0
+    rows, experts = cost.routing.hot_order
+    hot = min(len(rows), int((budget - used) // cost.expert_bytes)) if open_ else 0
+    for row in sorted(set(rows[:hot].tolist())):
+        count = int((rows[:hot] == row).sum())
+        layer = cost.routing.layers[row]
+        out.append(Item(f"hot experts.{layer} ({count} of {cost.spec.num_experts})", "expert", layer,
+                        count * cost.expert_bytes, True))
+    cold = len(rows) - hot
+    out.append(Item(f"routed experts in host memory ({cold})", "expert", None, cold * cost.expert_bytes, False))
+    return out, hot
 
 
-def _residency(spec: ModelSpec, cost: CostModel, items: list[Item]) -> Residency:
+def _residency(spec: ModelSpec, cost: CostModel, items: list[Item], hot: int) -> Residency:
     on = {(i.kind, i.layer) for i in items if i.resident}
     layers = range(len(spec.layers))
-    hot: dict[int, list[int]] = {}
-    for i in items:
-        if i.kind == "expert" and i.resident:
-            hot.setdefault(i.layer, []).append(int(i.name.rsplit(".", 1)[1]))
+    rows, experts = cost.routing.hot_order if spec.moe_layers else (np.zeros(0, int), np.zeros(0, int))
+    pinned = [tuple(sorted(experts[:hot][rows[:hot] == row].tolist())) for row in range(len(spec.moe_layers))]
     return Residency(tuple(("attention", l) in on for l in layers), tuple(("router", l) in on for l in layers),
                      tuple(("shared", l) in on for l in layers), tuple(("dense", l) in on for l in layers),
-                     ("lm_head", None) in on, tuple(tuple(sorted(hot.get(l.index, []))) for l in spec.moe_layers))
+                     ("lm_head", None) in on, tuple(pinned))
 
 
 def _tier(builder: PassBuilder, batch: int, context: int) -> TierPlan:
@@ -170,11 +182,12 @@ class Planner:
 
     def __init__(self, spec: ModelSpec, machine: Machine, vram_bytes: float | None = None,
                  expert_format: str | None = None, dense_format: str | None = None, context: int = 8192,
-                 concurrency: int = 1, tiers: tuple[int, ...] | None = None, routing: RoutingStats | None = None):
+                 concurrency: int = 1, tiers: tuple[int, ...] | None = None, routing: RoutingStats | None = None,
+                 dispatch_us: float | None = None):
         if context < 1 or concurrency < 1:
             raise PlanError(f"context ({context}) and concurrency ({concurrency}) must be >= 1")
         self.spec, self.machine = spec, machine
-        self.cost = CostModel(machine, spec, expert_format, dense_format, routing)
+        self.cost = CostModel(machine, spec, expert_format, dense_format, routing, dispatch_us=dispatch_us)
         gpu = machine.gpu
         if vram_bytes is None:
             vram_bytes = gpu.memory_gb * GB if gpu else 0.0
@@ -188,13 +201,16 @@ class Planner:
         if min(self.tiers) < 1:
             raise PlanError(f"batch tiers must be >= 1, got {self.tiers}")
         cost = self.cost
+        self.hot_experts = 0
         if cost.gpu is None:
             self.items: list[Item] = []
             self.residency = Residency.none(len(spec.layers), len(spec.moe_layers))
         else:
-            self.items = _fill(priority_items(cost, context, concurrency, self.tiers), self.budget)
-            self.residency = _residency(spec, cost, self.items)
+            self.items, self.hot_experts = fill(cost, priority_items(cost, context, concurrency, self.tiers),
+                                                self.budget)
+            self.residency = _residency(spec, cost, self.items, self.hot_experts)
         self.builder = PassBuilder(cost, self.residency)
+        self._keep_builders: dict[int, PassBuilder] = {}
         # stream-loading reuses the scratch and the hot experts' memory; the prompt's KV is inside the KV item
         self.slp_free = self.budget - sum(i.nbytes for i in self.items
                                           if i.resident and i.kind not in ("scratch", "expert"))
@@ -214,27 +230,49 @@ class Planner:
     # ---- prefill -----------------------------------------------------------------------------------------
     def slp(self, prompt: int, evict: str = "auto", prefetch: bool = True, activated: str = "auto",
             parallel: str = "tokens") -> estimate.PrefillEstimate | None:
-        """Stream-loading prefill on all of the machine's GPUs. evict="never" keeps the resident layers in
-        place (a decode worker can keep running); "always" streams them too, using the whole budget for the
-        stream, and pays for reloading them afterwards; "auto" takes the faster."""
+        """Stream-loading prefill on all of the machine's GPUs.
+
+        evict="never": the resident layers stay (a decode worker can keep running) and the prefill gets what
+        is left; "auto": the prefill may also evict resident layers, keeping the first KEEP_FRACTIONS of the
+        model's non-expert weights (in priority order) and streaming the rest with the experts; the fastest
+        option wins. The options do not depend on the budget, so a larger budget never plans a slower
+        prefill. Evicted layers are reloaded after the first token (`reload_s`, not part of the TTFT)."""
+        if evict not in ("auto", "never"):
+            raise ValueError(f"evict must be auto or never, got {evict!r}")
         gpus = max(1, self.machine.num_gpus)
         options = []
-        if evict in ("auto", "never"):
+        if evict == "never":
             options.append(estimate.slp_prefill(self.builder, prompt, self.slp_free, gpus, parallel, prefetch,
                                                 activated))
-        if evict in ("auto", "always"):
-            spec = self.spec
-            bare = PassBuilder(self.cost, Residency.none(len(spec.layers), len(spec.moe_layers)))
+        else:
+            static = [i for i in self.items if i.kind in STATIC_KINDS]
             held = sum(i.nbytes for i in self.items if i.resident and i.kind in ("reserve", "kv"))
-            evicted = estimate.slp_prefill(bare, prompt, self.budget - held, gpus, parallel, prefetch, activated)
-            if evicted is not None:
-                static = sum(i.nbytes for i in self.items if i.resident
-                             and i.kind not in ("reserve", "kv", "scratch"))
-                reload_s = self.cost.h2d_s(static)
-                options.append(replace(evicted, ttft_s=evicted.ttft_s + reload_s,
-                                       variant=f"{evicted.variant}, residents evicted (+{reload_s:.2f} s reload)"))
+            resident_static = sum(i.nbytes for i in static if i.resident)
+            total = sum(i.nbytes for i in static)
+            for fraction in KEEP_FRACTIONS:
+                kept, kept_bytes = [], 0.0
+                for item in static:
+                    if kept_bytes + item.nbytes > fraction * total + 1e-6:
+                        break
+                    kept.append(item)
+                    kept_bytes += item.nbytes
+                if not all(i.resident for i in kept):
+                    continue  # this budget cannot hold that much
+                found = estimate.slp_prefill(self._builder_keeping(kept), prompt, self.budget - held - kept_bytes,
+                                             gpus, parallel, prefetch, activated)
+                if found is not None:
+                    reload_s = (resident_static - kept_bytes) / (self.cost.h2d_gbs() * 1e9)
+                    options.append(replace(found, reload_s=reload_s,
+                                           variant=f"{found.variant}; keeps {kept_bytes / GB:.1f} GB of layers"))
         options = [o for o in options if o is not None]
-        return min(options, key=lambda o: o.ttft_s) if options else None
+        return min(options, key=lambda o: (o.ttft_s, o.reload_s)) if options else None
+
+    def _builder_keeping(self, kept: list[Item]) -> PassBuilder:
+        key = len(kept)
+        if key not in self._keep_builders:
+            residency = _residency(self.spec, self.cost, kept, 0)
+            self._keep_builders[key] = PassBuilder(self.cost, residency)
+        return self._keep_builders[key]
 
     def ttft_by_strategy(self, prompt: int) -> dict[str, estimate.PrefillEstimate]:
         """Predicted prefill of a `prompt`-token prompt under each strategy this machine can run."""

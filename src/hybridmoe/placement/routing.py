@@ -11,6 +11,7 @@ assumed uniform (p = K/E). From it:
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,11 +88,13 @@ class RoutingStats:
         """Fraction of the layer's (token, expert) pairs that go to the experts marked True."""
         return float(self.probs[row][experts].sum() / self.top_k)
 
-    def hot_order(self) -> list[tuple[int, int]]:
-        """(row, expert) pairs, most frequently routed first; ties by layer then expert (deterministic)."""
+    @functools.cached_property
+    def hot_order(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, experts): every (MoE layer row, expert), most frequently routed first; ties by layer then
+        expert (deterministic)."""
         rows, experts = np.meshgrid(np.arange(self.probs.shape[0]), np.arange(self.num_experts), indexing="ij")
         order = np.lexsort((experts.ravel(), rows.ravel(), -self.probs.ravel()))
-        return [(int(rows.ravel()[i]), int(experts.ravel()[i])) for i in order]
+        return rows.ravel()[order], experts.ravel()[order]
 
     # ---- files -----------------------------------------------------------------------------------------
     def to_json(self, path: str | Path, model: str = "") -> None:

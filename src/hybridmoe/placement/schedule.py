@@ -73,17 +73,19 @@ def run(units: list[Unit], buffers: int = 2) -> Timeline:
     streamed_ends: list[float] = []  # compute end of each streamed unit, in order
     for unit in units:
         start = None
+        duration, copy_s = unit.compute_s, unit.copy_s
         for k in range(unit.repeat):
             copy_end = 0.0
-            if unit.copy_s > 0:
+            if copy_s > 0:
                 slot_free = streamed_ends[-buffers] if len(streamed_ends) >= buffers else 0.0
                 ready = compute_free if unit.copy_waits and k == 0 else 0.0
-                copy_end = max(copy_free, slot_free, ready) + unit.copy_s
+                copy_end = max(copy_free, slot_free, ready) + copy_s
                 copy_free = copy_end
-            begin = max(compute_free, copy_end)
-            start = begin if start is None else start
-            compute_free = begin + unit.compute_s
-            if unit.copy_s > 0:
+            begin = compute_free if compute_free > copy_end else copy_end
+            if start is None:
+                start = begin
+            compute_free = begin + duration
+            if copy_s > 0:
                 streamed_ends.append(compute_free)
         timeline.starts.append(start)
         timeline.ends.append(compute_free)

@@ -1,0 +1,91 @@
+"""`hybridmoe plan`: print where every part of a model goes for a VRAM budget, before anything is loaded.
+
+The machine comes from a measured profile (`--profile`, default: the one `hybridmoe profile` saved) or from
+reference profiles (`--hardware rtx4090,epyc-genoa-2s`). The model is a directory with config.json or the name
+of a packaged config (deepseek-v3, kimi-k2, qwen3-235b-a22b, qwen3-30b-a3b, mixtral-8x7b).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+DEFAULT_PROFILE = Path("~/.cache/hybridmoe/profile.json")
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(gib|gb|g|mib|mb|m)?\s*$", re.IGNORECASE)
+_UNITS = {None: 1e9, "gb": 1e9, "g": 1e9, "gib": 2**30, "mb": 1e6, "m": 1e6, "mib": 2**20}
+
+
+def parse_size(text: str) -> float:
+    """"24GB" / "24G" / "22.5GiB" / "512MB" / "24" (GB) -> bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"cannot read size {text!r}: write e.g. 24GB, 22.5GiB or 512MB")
+    return float(match.group(1)) * _UNITS[match.group(2).lower() if match.group(2) else None]
+
+
+def parse_ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{what} must be positive integers, got {text!r}")
+    return values
+
+
+def resolve_hardware(profile: str | None, hardware: str | None) -> str:
+    """The hardware description to plan for: --hardware, else --profile, else the saved default profile."""
+    if hardware and profile:
+        raise ValueError("give either --profile or --hardware, not both")
+    if hardware:
+        return hardware
+    path = Path(profile).expanduser() if profile else DEFAULT_PROFILE.expanduser()
+    if not path.is_file():
+        raise ValueError(f"no hardware profile at {path}: run `hybridmoe profile` first, or pass --hardware "
+                         "(e.g. rtx4090,epyc-genoa-2s; see docs/placement.md for the reference profiles)")
+    return str(path)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="print the placement plan of a model for a VRAM budget")
+    p.add_argument("--model", required=True, help="model directory or packaged name (e.g. deepseek-v3)")
+    p.add_argument("--vram", help="VRAM budget, e.g. 24GB (default: the whole GPU)")
+    p.add_argument("--profile", help=f"measured hardware profile (default: {DEFAULT_PROFILE})")
+    p.add_argument("--hardware", help="reference profiles instead, e.g. rtx4090,epyc-genoa-2s")
+    p.add_argument("--gpus", type=int, help="number of GPUs of that kind (stream-loading uses all)")
+    p.add_argument("--experts", help="format of the routed experts (fp8, int4, int8, bf16; default: the model's)")
+    p.add_argument("--dense", help="format of the other weights (default: the model's)")
+    p.add_argument("--context", type=int, default=8192, help="context length to reserve KV cache for")
+    p.add_argument("--concurrency", type=int, default=1, help="sequences decoding at once")
+    p.add_argument("--tiers", help="decode batch tiers, e.g. 1,4,16 (default: 1 and --concurrency)")
+    p.add_argument("--routing", help="routing statistics JSON measured on sample prompts (hot experts)")
+    p.add_argument("--json", help="also write the plan as JSON to this path")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from hybridmoe.config import ConfigError
+    from hybridmoe.placement.hardware import ProfileError, machine
+    from hybridmoe.placement.modelspec import ModelSpec, resolve_model
+    from hybridmoe.placement.planner import PlanError, Planner
+    from hybridmoe.placement.report import format_plan, plan_to_json
+    from hybridmoe.placement.routing import RoutingStats
+
+    try:
+        hardware = resolve_hardware(args.profile, args.hardware)
+        spec = ModelSpec(resolve_model(args.model), Path(args.model).name.lower())
+        routing = RoutingStats.from_json(args.routing) if args.routing else None
+        planner = Planner(spec, machine(hardware, gpus=args.gpus), parse_size(args.vram) if args.vram else None,
+                          expert_format=args.experts, dense_format=args.dense, context=args.context,
+                          concurrency=args.concurrency,
+                          tiers=parse_ints(args.tiers, "--tiers") if args.tiers else None, routing=routing)
+        plan = planner.plan()
+    except (ValueError, ConfigError, ProfileError, PlanError) as e:
+        print(f"hybridmoe plan: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(plan))
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan_to_json(plan), indent=2) + "\n")
+    return 0
