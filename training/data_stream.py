@@ -3,12 +3,14 @@
 `TrainingBatches(seed)` yields the same batches in the same order on every machine, so a run resumed from
 a checkpoint skips the batches it has already seen and continues exactly. A batch is
 (input_ids [B, T+1] int64, loss_weights [B, T] float32): the model reads input_ids[:, :-1] and predicts
-input_ids[:, 1:], each target weighted by loss_weights (passkey answer digits weigh more).
+input_ids[:, 1:], each target weighted by loss_weights (passkey answer digits weigh more). From
+phase2_start_step on, the stream changes as the recipe says (more, shorter passkey examples).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,11 +64,15 @@ class TrainingBatches:
         self.eos = tokenizer.token_to_id(EOS_TOKEN)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        step = 0
         while True:
-            if self.rng.random() < TRAIN["passkey_step_fraction"]:
-                yield self.passkey_batch()
+            phase2 = step >= TRAIN["phase2_start_step"]
+            fraction = TRAIN["phase2_passkey_step_fraction" if phase2 else "passkey_step_fraction"]
+            if self.rng.random() < fraction:
+                yield self.passkey_batch(phase2)
             else:
                 yield self.text_batch()
+            step += 1
 
     def _shuffled(self, source: str) -> list[int]:
         order = list(range(len(self.documents[source])))
@@ -90,8 +96,12 @@ class TrainingBatches:
         del self.buffer[: rows * width]
         return ids, torch.ones(rows, width - 1)
 
-    def passkey_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        target = self.rng.randint(TRAIN["passkey_min_tokens"], TRAIN["passkey_max_tokens"])
+    def passkey_batch(self, phase2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        low, high = TRAIN["passkey_min_tokens"], TRAIN["passkey_max_tokens"]
+        if phase2:  # log-uniform: more short examples, still a quarter of them above 1K tokens
+            target = round(math.exp(self.rng.uniform(math.log(low), math.log(high))))
+        else:
+            target = self.rng.randint(low, high)
         kinds = list(PASSKEY_FILLER_MIX)
         kind = self.rng.choices(kinds, [PASSKEY_FILLER_MIX[k] for k in kinds])[0]
         pool = self.filler_pool if kind == "fortunes" else None
@@ -101,9 +111,11 @@ class TrainingBatches:
         ids = [self.bos, *prompt, *answer, self.eos]
         weights = torch.ones(len(ids) - 1)  # weights[t] belongs to target ids[t + 1]
         first_answer_target = len(prompt)  # target index of the first answer token
-        for offset, token in enumerate(answer):
-            if self.tokenizer.id_to_token(token).isdigit():
-                weights[first_answer_target + offset] = TRAIN["passkey_answer_weight"]
+        digits = [first_answer_target + offset for offset, token in enumerate(answer)
+                  if self.tokenizer.id_to_token(token).isdigit()]
+        # phase 2: the digits weigh as much as all other targets together
+        answer_weight = (len(weights) - len(digits)) / len(digits) if phase2 else TRAIN["passkey_answer_weight"]
+        weights[digits] = answer_weight
         return torch.tensor(ids, dtype=torch.int64)[None], weights[None]
 
     def count_tokens(self, text: str) -> int:

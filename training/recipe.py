@@ -69,13 +69,18 @@ MODEL_CONFIG = dict(
 
 # ---- training ----
 TRAIN = dict(
-    steps=2400,
+    steps=1200,  # about an hour of one shared CPU core (the machine was loaded 3-5x by other work)
     text_rows=4,  # rows per text step
     text_seq_len=512,  # tokens per text row
     passkey_step_fraction=0.35,  # share of steps that train one passkey example instead of text
     passkey_min_tokens=96,
     passkey_max_tokens=2300,
     passkey_answer_weight=20.0,  # loss weight of the answer digits relative to every other token
+    # Phase 2 (added at step 600 of the shipped run, when the answer loss was still at chance, ln 10): more
+    # and shorter passkey examples (log-uniform lengths), the answer digits carrying half of each example's
+    # loss however long its filler is. Phase 1's batches are unchanged, so the run stays one seeded stream.
+    phase2_start_step=600,
+    phase2_passkey_step_fraction=0.5,
     lr=2e-3,
     min_lr_ratio=0.1,
     warmup_steps=100,
