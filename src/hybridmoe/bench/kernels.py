@@ -1,0 +1,265 @@
+"""`hybridmoe bench kernels [--quick] [--json PATH]`: the C++ fused MoE against this machine's limits and torch.
+
+In one run: the machine's read bandwidth (STREAM-style multi-threaded read of 1 GiB) and FMA peak (register-only
+FMA chains, active ISA), then the fused MoE at DeepSeek-V3 expert shapes (H 7168, I 2048, top-8 of 256) and
+Qwen3-30B-A3B shapes (H 2048, I 768, top-8 of 128) for T tokens, in each format (fp8, int4, int8, bf16). The
+layer's experts alias a pool of distinct weights much larger than the caches, and each repeat draws a new
+routing, so weights stream from memory as in decode. Side by side, on the same routing: torch bf16 matmul on
+pre-converted weights, and torch dequantise-then-matmul of the format's weights.
+
+Reported per (shape, format, T): weight_gbs (bytes of the experts the tokens visit / time), its fraction of the
+measured bandwidth, the fraction of the FMA peak (2*3*H*I*T*K flops / time), and the two speedups. Where the
+dequantise baseline would take too long (many active experts), it is timed on the first experts and scaled to
+all of them (dequant_torch_estimated: true).
+
+Legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, D distinct expert weights in the pool.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hybridmoe.kernels import _native, formats, isa
+from hybridmoe.kernels.moe import FusedMoE
+
+SHAPES = {"deepseek-v3": (7168, 2048, 256, 8), "qwen3-30b-a3b": (2048, 768, 128, 8)}  # H, I, E, K
+TOKENS = (1, 4, 32, 256)
+QUICK_TOKENS = {"deepseek-v3": (1, 4), "qwen3-30b-a3b": (1, 4, 32, 256)}
+FORMATS = ("fp8", "int4", "int8", "bf16")
+INT_GROUP = 32
+BANDWIDTH_BYTES = 1 << 30
+DEQUANT_MAX_EXPERTS = {False: 8, True: 2}  # by quick: experts the dequantise baseline times per call, then scales
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("kernels", help="fused MoE kernels vs memory bandwidth, FMA peak and torch")
+    p.add_argument("--quick", action="store_true", help="smaller pools, fewer repeats, DeepSeek at T=1,4 only")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--formats", default=",".join(FORMATS), help=f"formats to run (default {','.join(FORMATS)})")
+    p.set_defaults(func=run)
+
+
+# ---- weights ---------------------------------------------------------------------------------------------
+
+class _Bytes:
+    """Pseudo-random bytes made fast: one random 16 MiB block, repeated (values do not change the speed)."""
+
+    def __init__(self, seed: int = 0):
+        self.block = torch.from_numpy(np.random.default_rng(seed).integers(0, 256, 16 << 20, dtype=np.uint8))
+
+    def take(self, n: int, fix=None) -> torch.Tensor:
+        block = fix(self.block.clone()) if fix else self.block
+        return block.repeat(-(-n // block.numel()))[:n]
+
+
+def _no_nan_fp8(b: torch.Tensor) -> torch.Tensor:
+    return b.bitwise_and_(0xFE)  # 0x7F/0xFF (NaN) -> 0x7E/0xFE
+
+
+def _no_128(b: torch.Tensor) -> torch.Tensor:
+    return torch.where(b == 0x80, torch.tensor(0x81, dtype=torch.uint8), b)  # int8 -128 -> -127
+
+
+def _normal_bf16(b: torch.Tensor) -> torch.Tensor:
+    bits = b.view(torch.int16)
+    return ((bits & 0x3FFF) | 0x3C00).view(torch.uint8)  # normal values of magnitude in [2^-7, 2)
+
+
+def _matrix(fmt: str, rows: int, cols: int, source: _Bytes, gen: torch.Generator):
+    """A random [rows, cols] matrix in fmt -> (data, scales or None)."""
+    if fmt == "fp8":
+        data = source.take(rows * cols, _no_nan_fp8).view(rows, cols).view(torch.float8_e4m3fn)
+        return data, torch.rand(-(-rows // 128), -(-cols // 128), generator=gen) * 1e-3
+    if fmt == "bf16":
+        return source.take(2 * rows * cols, _normal_bf16).view(torch.bfloat16).view(rows, cols), None
+    kp = formats.padded_cols(cols, INT_GROUP)
+    scales = (torch.rand(rows, kp // INT_GROUP, generator=gen) * 1e-2).bfloat16()
+    if fmt == "int4":
+        return source.take(rows * kp // 2).view(rows, kp // 2), scales
+    return source.take(rows * kp, _no_128).view(torch.int8).view(rows, kp), scales
+
+
+class ExpertPool:
+    """D distinct experts in one format; the layer's E experts alias them (expert e -> pool[e % D])."""
+
+    def __init__(self, fmt: str, hidden: int, inter: int, num_experts: int, pool_bytes: int, source: _Bytes):
+        gen = torch.Generator().manual_seed(1)
+        self.fmt, self.hidden, self.inter = fmt, hidden, inter
+        first = [_matrix(fmt, r, c, source, gen) for r, c in ((inter, hidden), (inter, hidden), (hidden, inter))]
+        self.expert_bytes = sum(t.numel() * t.element_size() for m in first for t in m if t is not None)
+        distinct = max(1, min(num_experts, math.ceil(pool_bytes / self.expert_bytes)))
+        self.experts = [first] + [[_matrix(fmt, r, c, source, gen) for r, c in ((inter, hidden), (inter, hidden),
+                                                                                (hidden, inter))]
+                                  for _ in range(distinct - 1)]
+        pick = [self.experts[e % distinct] for e in range(num_experts)]
+        kernel_fmt = fmt
+        scales = {}
+        if pick[0][0][1] is not None:
+            scales = dict(gate_scale=[p[0][1] for p in pick], up_scale=[p[1][1] for p in pick],
+                          down_scale=[p[2][1] for p in pick])
+        self.moe = FusedMoE(kernel_fmt, [p[0][0] for p in pick], [p[1][0] for p in pick], [p[2][0] for p in pick],
+                            **scales, hidden_size=hidden, intermediate_size=inter)
+        self.distinct = distinct
+
+    def expert(self, e: int):
+        return self.experts[e % self.distinct]
+
+    def dequantized(self, e: int) -> list[torch.Tensor]:
+        """The expert's (gate, up, down) dequantised to bf16 with torch, as a dequantise-then-matmul path does."""
+        out = []
+        for (data, scales), cols in zip(self.expert(e), (self.hidden, self.hidden, self.inter)):
+            if self.fmt == "bf16":
+                out.append(data)
+            elif self.fmt == "fp8":
+                full = scales.repeat_interleave(128, 0)[:data.shape[0]].repeat_interleave(128, 1)[:, :cols]
+                out.append((data.float() * full).bfloat16())
+            else:
+                codes = formats.int_codes(self.fmt, data)[:, :cols].float()
+                out.append((codes * scales.float().repeat_interleave(INT_GROUP, 1)[:, :cols]).bfloat16())
+        return out
+
+
+# ---- timing ----------------------------------------------------------------------------------------------
+
+def _routings(tokens: int, num_experts: int, top_k: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(tokens)
+    out = []
+    for _ in range(count):
+        ids = torch.rand(tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k]  # [T, K] distinct experts
+        weights = torch.rand(tokens, top_k, generator=gen)
+        out.append((ids, weights / weights.sum(1, keepdim=True)))
+    return out
+
+
+def _median_time(call, routings, hidden) -> float:
+    call(hidden, *routings[0])  # warm-up
+    times = []
+    for ids, weights in routings[1:]:
+        start = time.perf_counter()
+        call(hidden, ids, weights)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _torch_moe(expert_weights, hidden, ids, weights, limit: int | None = None) -> int:
+    """Grouped-by-expert torch MoE in bf16; expert_weights(e) -> (gate, up, down). Returns experts computed."""
+    x = hidden.bfloat16()
+    out = torch.zeros_like(x)
+    active = ids.unique().tolist()[:limit]
+    for e in active:
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        gate, up, down = expert_weights(e)
+        h = F.silu(x[token] @ gate.T) * (x[token] @ up.T)
+        out.index_add_(0, token, (h @ down.T) * weights[token, slot, None].bfloat16())
+    return len(active)
+
+
+# ---- the run ---------------------------------------------------------------------------------------------
+
+def measure_bandwidth(quick: bool) -> float:
+    """Read bandwidth GB/s over 1 GiB on the kernels' threads (best of a few passes)."""
+    buffer = np.ones(BANDWIDTH_BYTES // 8, dtype=np.uint64)
+    return _native.measure_read_bandwidth(buffer, 3 if quick else 6) / 1e9
+
+
+def measure_fma_peak(quick: bool) -> float:
+    """GFLOP/s of register-only FMA chains on the kernels' threads (active ISA)."""
+    return _native.measure_fma_peak(0.2 if quick else 0.5) / 1e9
+
+
+def bench_shape(name: str, fmts: list[str], quick: bool, bandwidth: float, peak: float, log=print) -> list[dict]:
+    hidden, inter, num_experts, top_k = SHAPES[name]
+    tokens_list = QUICK_TOKENS[name] if quick else TOKENS
+    pool_bytes = (256 if quick else 1024) << 20
+    repeats = 2 if quick else 6
+    source = _Bytes()
+    flops_per_pair = 2 * 3 * hidden * inter
+    bf16_pool = ExpertPool("bf16", hidden, inter, num_experts, pool_bytes, source)
+    routing = {t: _routings(t, num_experts, top_k, 1 + (repeats if t < 256 else max(2, repeats // 3)))
+               for t in tokens_list}
+    hid = {t: torch.randn(t, hidden).bfloat16() for t in tokens_list}
+    torch_bf16 = {t: _median_time(lambda h, i, w: _torch_moe(lambda e: [m[0] for m in bf16_pool.expert(e)], h, i, w),
+                                  routing[t], hid[t]) for t in tokens_list}
+    results = []
+    for fmt in fmts:
+        pool = bf16_pool if fmt == "bf16" else ExpertPool(fmt, hidden, inter, num_experts, pool_bytes, source)
+        for t in tokens_list:
+            seconds = _median_time(lambda h, i, w: pool.moe(h, i, w), routing[t], hid[t])
+            active = float(np.mean([ids.unique().numel() for ids, _ in routing[t][1:]]))
+            dequant, estimated = _dequant_time(pool, routing[t], hid[t], torch_bf16[t] if fmt == "bf16" else None,
+                                               DEQUANT_MAX_EXPERTS[quick], 1 if quick else 2)
+            gbs = active * pool.expert_bytes / seconds / 1e9
+            row = {"shape": name, "format": fmt, "tokens": t, "ms": seconds * 1e3, "weight_gbs": gbs,
+                   "bandwidth_fraction": gbs / bandwidth,
+                   "gflops": flops_per_pair * t * top_k / seconds / 1e9,
+                   "flops_fraction": flops_per_pair * t * top_k / seconds / 1e9 / peak,
+                   "speedup_vs_bf16_torch": torch_bf16[t] / seconds, "speedup_vs_dequant_torch": dequant / seconds,
+                   "dequant_torch_estimated": estimated, "distinct_experts": pool.distinct}
+            results.append(row)
+            log(_format_row(row))
+        if pool is not bf16_pool:
+            del pool
+    return results
+
+
+def _dequant_time(pool: ExpertPool, routings, hidden, same_as: float | None, max_experts: int,
+                  runs: int) -> tuple[float, bool]:
+    """Torch dequantise-then-matmul on the same routing (bf16 weights need no dequantisation)."""
+    if same_as is not None:
+        return same_as, False
+    times, estimated = [], False
+    for ids, weights in routings[1:1 + runs]:
+        active = ids.unique().numel()
+        start = time.perf_counter()
+        done = _torch_moe(pool.dequantized, hidden, ids, weights, limit=max_experts)
+        times.append((time.perf_counter() - start) * active / done)
+        estimated |= done < active
+    return float(np.median(times)), estimated
+
+
+HEADER = (f"{'shape':14s} {'format':6s} {'T':>4s} {'ms':>9s} {'weights GB/s':>12s} {'of bw':>6s} "
+          f"{'of FMA peak':>11s} {'vs torch bf16':>13s} {'vs dequant':>10s}")
+
+
+def _format_row(r: dict) -> str:
+    est = "~" if r["dequant_torch_estimated"] else " "
+    return (f"{r['shape']:14s} {r['format']:6s} {r['tokens']:4d} {r['ms']:9.2f} {r['weight_gbs']:12.1f} "
+            f"{r['bandwidth_fraction']:6.2f} {r['flops_fraction']:11.2f} {r['speedup_vs_bf16_torch']:12.2f}x "
+            f"{est}{r['speedup_vs_dequant_torch']:8.1f}x")
+
+
+def run(args) -> int:
+    fmts = [f for f in args.formats.split(",") if f]
+    unknown = [f for f in fmts if f not in FORMATS]
+    if unknown:
+        raise SystemExit(f"unknown format(s) {unknown}; choose from {list(FORMATS)}")
+    threads = isa.num_threads()
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    bandwidth, peak = measure_bandwidth(args.quick), measure_fma_peak(args.quick)
+    print(f"ISA {isa.active_isa()}, {threads} threads; read bandwidth {bandwidth:.1f} GB/s (1 GiB, all threads); "
+          f"FMA peak {peak:.1f} GFLOP/s")
+    print(HEADER)
+    results = []
+    for name in SHAPES:
+        results += bench_shape(name, fmts, args.quick, bandwidth, peak)
+    bandwidth_after, peak_after = measure_bandwidth(args.quick), measure_fma_peak(args.quick)
+    print(f"(~: dequantise baseline timed on the first {DEQUANT_MAX_EXPERTS[args.quick]} experts and scaled; "
+          f"measured again after the run: {bandwidth_after:.1f} GB/s, FMA {peak_after:.1f} GFLOP/s; "
+          f"{time.perf_counter() - started:.0f} s)")
+    if args.json:
+        report = {"memory_bandwidth_gbs": bandwidth, "peak_fma_gflops": peak, "isa": isa.active_isa(),
+                  "memory_bandwidth_gbs_after": bandwidth_after, "peak_fma_gflops_after": peak_after,
+                  "threads": threads, "cpus": os.cpu_count(), "quick": bool(args.quick),
+                  "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results}
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,48 @@
+"""`hybridmoe info`: which kernel ISA runs (and why the others do not), CPU features, the kernels' threads and
+pinning, NUMA nodes, versions."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("info", help="show which kernel ISA runs, CPU features and threads")
+    p.set_defaults(func=run)
+
+
+def _numa_nodes() -> list[str]:
+    nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    return [f"{n.name}: cpus {(n / 'cpulist').read_text().strip()}" for n in nodes if (n / "cpulist").exists()]
+
+
+def run(args) -> int:
+    import torch
+
+    print(f"python {platform.python_version()}, torch {torch.__version__}, machine {platform.machine()}")
+    try:
+        from hybridmoe.kernels import isa
+    except ImportError as error:
+        print(f"expert kernels: NOT AVAILABLE ({error})")
+        return 1
+    try:
+        active = isa.active_isa()
+    except ValueError as error:
+        print(f"expert kernels: ISA selection failed: {error}")
+        active = None
+    forced = os.environ.get("HYBRIDMOE_ISA")
+    if active:
+        print(f"kernel ISA: {active}" + (f" (forced by HYBRIDMOE_ISA={forced})" if forced else " (best available)"))
+    for name in isa.all_isas():
+        reason = isa.unavailable_reason(name)
+        print(f"  {name:7s} {'available' if not reason else 'unavailable: ' + reason}")
+    features = isa.cpu_features()
+    print("CPU features: " + " ".join(f"{k}{'+' if v else '-'}" for k, v in features.items()))
+    cpus = isa.thread_cpus()
+    print(f"threads: {isa.num_threads()} (HYBRIDMOE_NUM_THREADS={os.environ.get('HYBRIDMOE_NUM_THREADS', 'unset')}; "
+          f"{os.cpu_count()} CPUs), pinned: {cpus if cpus else 'no'}")
+    for line in _numa_nodes():
+        print(f"NUMA {line}")
+    return 0
