@@ -1,0 +1,165 @@
+"""`hybridmoe quantize --model DIR --to int4|int8 [--group 32|128] --out DIR2`: routed-expert weights -> int4 or
+int8 per group for the CPU kernels.
+
+Reads BF16/FP16/FP32 or FP8 (block-scaled, dequantised exactly) expert weights from a checkpoint directory and
+writes a copy in which every routed-expert projection (`...experts.N.{gate,up,down}_proj.weight`, Mixtral's
+`w1/w3/w2`) is replaced by its int codes under the same name (int4: uint8 [N, Kp/2], two codes per byte; int8:
+int8 [N, Kp]; layout in hybridmoe.kernels.formats) plus `<name>_scale` (bfloat16/float16 [N, Kp/g]). Everything
+else (attention, shared experts, norms, FP8 non-expert tensors and their scales) is copied unchanged, shard by
+shard. config.json gains `expert_quantization` = {"method", "group_size", "scale_dtype", "layout"}.
+
+Afterwards it reports the error of expert outputs, computed by the CPU kernels from the written int weights,
+against the source weights in float64, on random sample activations for a sample of experts.
+
+Legend: N output rows, K input columns, Kp K padded to whole groups, g group size, H hidden, I intermediate.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts\.\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+GATE_UP_DOWN = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
+INT_SCALE_SUFFIX = "_scale"
+LAYOUT = "hybridmoe-int-v1"
+SCALE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("quantize", help="convert routed-expert weights to int4/int8 for the CPU kernels")
+    p.add_argument("--model", required=True, help="source checkpoint directory (BF16/FP16/FP32 or FP8)")
+    p.add_argument("--to", required=True, choices=("int4", "int8"), help="target expert format")
+    p.add_argument("--group", type=int, default=32, choices=(32, 128), help="columns per scale (default 32)")
+    p.add_argument("--scale-dtype", default="bfloat16", choices=tuple(SCALE_DTYPES), help="scale dtype")
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--samples", type=int, default=8, help="experts whose outputs are checked (default 8)")
+    p.set_defaults(func=run)
+
+
+def expert_names(names: list[str]) -> dict[str, list[str]]:
+    """prefix ("model.layers.3.mlp.experts.7") -> [gate, up, down] tensor names, for every complete expert."""
+    experts: dict[str, list[str | None]] = {}
+    for name in names:
+        match = EXPERT_WEIGHT.match(name)
+        if match:
+            experts.setdefault(match["prefix"], [None, None, None])[GATE_UP_DOWN[match["proj"]]] = name
+    return {prefix: triple for prefix, triple in experts.items() if None not in triple}
+
+
+def source_weight(reader, name: str, block: tuple[int, int]) -> torch.Tensor:
+    """A source weight as float32 (FP8 dequantised exactly with its block scales)."""
+    from hybridmoe.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8
+
+    tensor = reader.get(name)
+    if tensor.dtype == torch.float8_e4m3fn:
+        if name + SCALE_SUFFIX not in reader:
+            raise ValueError(f"FP8 tensor {name!r} has no {name + SCALE_SUFFIX!r}")
+        return dequantize_fp8(tensor, reader.get(name + SCALE_SUFFIX), block, torch.float32)
+    if not tensor.dtype.is_floating_point:
+        raise ValueError(f"tensor {name!r} is {tensor.dtype}; expected float or FP8 expert weights "
+                         "(already quantised?)")
+    return tensor.float()
+
+
+def run(args) -> int:
+    from rich.progress import Progress
+    from safetensors.torch import save_file
+
+    from hybridmoe.checkpoint.fp8 import SCALE_SUFFIX
+    from hybridmoe.checkpoint.safetensors_reader import CheckpointReader
+    from hybridmoe.config import load_config
+    from hybridmoe.kernels import formats
+
+    src, dst = Path(args.model), Path(args.out)
+    if src.resolve() == dst.resolve():
+        raise SystemExit("--out must differ from --model")
+    config = load_config(src)
+    if config.raw.get("expert_quantization"):
+        raise SystemExit(f"{src}: experts are already quantised ({config.raw['expert_quantization']})")
+    block = config.quantization.block_size if config.quantization else (128, 128)
+    reader = CheckpointReader(src)
+    experts = expert_names(reader.names())
+    if not experts:
+        raise SystemExit(f"{src}: no routed-expert weights found (names like ...experts.N.gate_proj.weight)")
+    expert_tensors = {name for triple in experts.values() for name in triple}
+    quantize = formats.quantize_int4 if args.to == "int4" else formats.quantize_int8
+    scale_dtype = SCALE_DTYPES[args.scale_dtype]
+    dst.mkdir(parents=True, exist_ok=True)
+
+    by_file: dict[Path, list[str]] = {}
+    for name in reader.names():
+        by_file.setdefault(Path(reader.entry(name).file), []).append(name)
+    weight_map: dict[str, str] = {}
+    source_bytes = written_bytes = 0
+    with Progress() as progress:
+        task = progress.add_task(f"quantising experts to {args.to} (group {args.group})", total=len(expert_tensors))
+        for file, names in by_file.items():
+            tensors: dict[str, torch.Tensor] = {}
+            for name in names:
+                if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in expert_tensors:
+                    source_bytes += reader.entry(name).nbytes
+                    continue  # the FP8 block scale of an expert weight: replaced by the int group scales
+                if name in expert_tensors:
+                    source_bytes += reader.entry(name).nbytes
+                    data, scales = quantize(source_weight(reader, name, block), args.group, scale_dtype)
+                    tensors[name], tensors[name + INT_SCALE_SUFFIX] = data, scales
+                    written_bytes += data.numel() * data.element_size() + scales.numel() * scales.element_size()
+                    progress.advance(task)
+                else:
+                    tensors[name] = reader.get(name).clone()
+            save_file(tensors, str(dst / file.name), metadata={"format": "pt"})
+            weight_map.update({name: file.name for name in tensors})
+    _write_metadata(src, dst, weight_map, args)
+    print(f"wrote {dst}: {len(experts)} experts, {source_bytes / 2**20:.1f} MiB of expert weights -> "
+          f"{written_bytes / 2**20:.1f} MiB ({args.to}, group {args.group}, {args.scale_dtype} scales)")
+    _report_error(reader, CheckpointReader(dst), experts, args, block)
+    return 0
+
+
+def _write_metadata(src: Path, dst: Path, weight_map: dict[str, str], args) -> None:
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        meta = json.loads(index.read_text()).get("metadata", {})
+        (dst / index.name).write_text(json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2) + "\n")
+    for item in src.iterdir():
+        if item.is_file() and not item.name.endswith(".safetensors") and item.name not in (index.name, "config.json"):
+            shutil.copy2(item, dst / item.name)
+    raw = json.loads((src / "config.json").read_text())
+    raw["expert_quantization"] = {"method": args.to, "group_size": args.group, "scale_dtype": args.scale_dtype,
+                                  "layout": LAYOUT}
+    (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+
+
+def expert_output_errors(source, written, experts: dict[str, list[str]], fmt: str, samples: int,
+                         block: tuple[int, int], seed: int = 0) -> list[float]:
+    """Relative error (max-norm) of each sampled expert's output: CPU kernels on the written int weights vs
+    float64 on the source weights, for 16 random activation rows ~ N(0, 1)."""
+    from hybridmoe.kernels.moe import FusedMoE
+    from hybridmoe.kernels.reference import silu
+
+    rng = random.Random(seed)
+    picked = rng.sample(sorted(experts), min(samples, len(experts)))
+    errors = []
+    for prefix in picked:
+        gate, up, down = (source_weight(source, name, block).double() for name in experts[prefix])
+        x = torch.randn(16, gate.shape[1], generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        ref = (silu(x.double() @ gate.T) * (x.double() @ up.T)) @ down.T  # [16, H]
+        data = [written.get(name) for name in experts[prefix]]
+        scales = [written.get(name + INT_SCALE_SUFFIX) for name in experts[prefix]]
+        moe = FusedMoE(fmt, [data[0]], [data[1]], [data[2]], [scales[0]], [scales[1]], [scales[2]],
+                       hidden_size=gate.shape[1], intermediate_size=gate.shape[0])
+        out = moe(x, torch.zeros(16, 1, dtype=torch.int64), torch.ones(16, 1))
+        errors.append(((out.double() - ref).abs().max() / ref.abs().max()).item())
+    return errors
+
+
+def _report_error(source, written, experts, args, block) -> None:
+    errors = expert_output_errors(source, written, experts, args.to, args.samples, block)
+    print(f"expert output error vs source ({len(errors)} sampled experts, 16 random activations each, "
+          f"max |out - ref| / max |ref|): mean {sum(errors) / len(errors):.4f}, max {max(errors):.4f}")

@@ -1,0 +1,71 @@
+"""`hybridmoe quantize`: BF16/FP32 and FP8 checkpoints -> int4/int8 expert checkpoints the kernels compute with."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridmoe.checkpoint.fp8 import write_fp8_checkpoint
+from hybridmoe.checkpoint.safetensors_reader import CheckpointReader
+from hybridmoe.cli import main
+from hybridmoe.commands.quantize import expert_names, expert_output_errors, source_weight
+from hybridmoe.kernels import formats, reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("fmt,group", [("int4", 32), ("int8", 128)])
+def test_quantize_writes_int_experts_and_keeps_the_rest(tiny_model_dir, tmp_path, capsys, model_type, fmt, group):
+    src = tiny_model_dir(model_type)
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(src), "--to", fmt, "--group", str(group), "--out", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert "expert output error vs source" in report
+    config = json.loads((out / "config.json").read_text())
+    assert config["expert_quantization"] == {"method": fmt, "group_size": group, "scale_dtype": "bfloat16",
+                                             "layout": "hybridmoe-int-v1"}
+    assert (out / "tokenizer.json").exists()
+    source, written = CheckpointReader(src), CheckpointReader(out)
+    experts = expert_names(source.names())
+    assert experts and expert_names(written.names()).keys() == experts.keys()
+    for name in source.names():
+        if any(name in triple for triple in experts.values()):
+            w = source.get(name).float()
+            data, scales = written.get(name), written.get(name + "_scale")
+            kp = formats.padded_cols(w.shape[1], group)
+            assert data.shape == (w.shape[0], kp // 2 if fmt == "int4" else kp)
+            assert scales.shape == (w.shape[0], kp // group) and scales.dtype == torch.bfloat16
+            error = (reference.dequantize(fmt, data, scales, cols=w.shape[1]) - w.double()).abs()
+            step = scales.double().repeat_interleave(group, 1)[:, :w.shape[1]]
+            assert (error <= step * 0.51 + 1e-9).all()
+        else:
+            assert torch.equal(written.get(name), source.get(name)), name
+    errors = expert_output_errors(source, written, experts, fmt, samples=4, block=(128, 128))
+    assert max(errors) < (0.3 if fmt == "int4" else 0.05)
+
+
+@pytest.mark.slow
+def test_quantize_from_fp8_dequantises_exactly_first(tiny_model_dir, tmp_path):
+    fp8 = write_fp8_checkpoint(tiny_model_dir("qwen3_moe"), tmp_path / "fp8")
+    out = tmp_path / "int8"
+    assert main(["quantize", "--model", str(fp8), "--to", "int8", "--group", "32", "--out", str(out)]) == 0
+    source, written = CheckpointReader(fp8), CheckpointReader(out)
+    experts = expert_names(source.names())
+    name = next(iter(experts.values()))[0]
+    assert name + "_scale_inv" in source.names() and name + "_scale_inv" not in written.names()
+    w = source_weight(source, name, (128, 128))
+    from_int = reference.dequantize("int8", written.get(name), written.get(name + "_scale"), cols=w.shape[1])
+    assert ((from_int - w.double()).abs().max() / w.abs().max()) < 0.01
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+
+
+def test_refuses_a_checkpoint_without_experts_or_already_quantised(tmp_path, tiny_model_dir):
+    src = tiny_model_dir("deepseek_v3")
+    with pytest.raises(SystemExit, match="--out must differ"):
+        main(["quantize", "--model", str(src), "--to", "int4", "--out", str(src)])
+    quantised = tmp_path / "q"
+    main(["quantize", "--model", str(src), "--to", "int4", "--out", str(quantised), "--samples", "1"])
+    with pytest.raises(SystemExit, match="already quantised"):
+        main(["quantize", "--model", str(quantised), "--to", "int8", "--out", str(tmp_path / "again")])
