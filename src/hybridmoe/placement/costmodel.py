@@ -28,9 +28,10 @@ from hybridmoe.placement.routing import RoutingStats
 
 # Fitted on the paper's 21.5 tok/s FP8 decode (DeepSeek-V3, one RTX 5090, dual-socket CPU) by
 # hybridmoe.placement.paper.fit_dispatch_us(); a test checks that the fit reproduces this value.
-FITTED_DISPATCH_US = 61.2
+FITTED_DISPATCH_US = 61.5
 
 ACTIVATION_BYTES = 2  # hidden states cross the link in bf16
+COMPUTE_FALLBACK = {"fp8": "bf16", "int8": "bf16", "bf16": "fp32"}
 ROUTER_FORMAT = "bf16"
 
 
@@ -59,6 +60,7 @@ class CostModel:
         self.row_of_layer = {layer: row for row, layer in enumerate(moe_layers)}
         self._distinct: dict[tuple[int, float], float] = {}
         self._gpu_bw: float | None = None
+        self._rate_keys: dict[str, str] = {}
         self._h2d: float | None = None
         gpu_eff = (self.gpu.attention_efficiency or self.gpu.matmul_efficiency) if self.gpu else None
         self.attention_efficiency = attention_efficiency or gpu_eff
@@ -67,10 +69,9 @@ class CostModel:
         self._check_formats()
 
     def _check_formats(self) -> None:
-        for fmt in {self.expert_fmt, self.dense_fmt}:
-            if self.gpu is not None and not self.gpu.matmul_table and fmt.accelerator_compute not in self.gpu.peak_tflops:
-                raise ProfileError(f"{self.gpu.name}: no '{fmt.accelerator_compute}' matmul rate for weight format "
-                                   f"{fmt.name} (profile has {', '.join(self.gpu.peak_tflops)})")
+        if self.gpu is not None:
+            for fmt in (self.expert_fmt, self.dense_fmt):
+                self.compute_key(fmt.accelerator_compute)
 
     # ---- sizes (bytes) ---------------------------------------------------------------------------------
     @functools.cached_property
@@ -103,13 +104,26 @@ class CostModel:
             self._gpu_bw = gpu.memory_gbs * 1e9 * gpu.memory_efficiency
         return self._gpu_bw
 
+    def compute_key(self, compute: str) -> str:
+        """The rate a format multiplies at: its own if the profile has it, else the next wider one (an
+        accelerator without FP8 units dequantises and multiplies in bf16)."""
+        gpu = self._gpu()
+        key = compute
+        while key not in gpu.peak_tflops and key not in gpu.matmul_table:
+            if key not in COMPUTE_FALLBACK:
+                raise ProfileError(f"{gpu.name}: no matmul rate for '{compute}' or a wider type "
+                                   f"(profile has {', '.join(gpu.peak_tflops)})")
+            key = COMPUTE_FALLBACK[key]
+        return key
+
     def gpu_rate(self, compute: str, tokens: float) -> float:
         """Achieved matmul FLOP/s at `tokens` rows for a compute key (fp32|bf16|fp8|int8)."""
         gpu = self._gpu()
-        table = gpu.matmul_table.get(compute)
+        key = self._rate_keys.get(compute) or self._rate_keys.setdefault(compute, self.compute_key(compute))
+        table = gpu.matmul_table.get(key)
         if table:
             return interpolate(table, tokens) * 1e12
-        return gpu.peak_tflops[compute] * 1e12 * gpu.matmul_efficiency
+        return gpu.peak_tflops[key] * 1e12 * gpu.matmul_efficiency
 
     def gpu_matmul_s(self, weights: float, tokens: float, fmt: WeightFormat, flops: float | None = None) -> float:
         """W weights in `fmt` multiplied with T token rows (flops defaults to 2*W*T)."""

@@ -24,7 +24,7 @@ Prefill strategies (per chunk of C prompt tokens after `offset` earlier ones):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -75,6 +75,7 @@ class PassBuilder:
     def __init__(self, cost: CostModel, residency: Residency):
         self.cost, self.res, self.spec = cost, residency, cost.spec
         self._moe_cache: dict[tuple, list[Unit]] = {}  # MoE units do not depend on the chunk's offset
+        self._attention_cache: dict[tuple, tuple[Unit, str]] = {}
 
     # ---- pieces ----------------------------------------------------------------------------------------
     def _offloaded(self, name: str, layer: int, nbytes: float, gpu_s: float, cpu_s: float,
@@ -91,15 +92,23 @@ class PassBuilder:
 
     def attention_unit(self, layer: int, queries: int, context: int, sequences: int, on_cpu: bool,
                        share: float = 1.0) -> tuple[Unit, str]:
+        """Every layer's attention half has the same shape: cost it once per residency and step."""
         c = self.cost
-        cpu_s = c.cpu_attention_s(queries, context, sequences)
-        if on_cpu or c.gpu is None:
-            return Unit("attention", layer, cpu_s=cpu_s), "cpu"
-        gpu_s = c.gpu_attention_s(queries, context, sequences) * share
-        if self.res.attention[layer]:
-            return Unit("attention", layer, gpu_s=gpu_s), "gpu"
-        return self._offloaded("attention", layer, c.part_bytes(layer, "attention"), gpu_s, cpu_s,
-                               queries * sequences)
+        gpu = not on_cpu and c.gpu is not None
+        resident = gpu and self.res.attention[layer]
+        key = (queries, context, sequences, gpu, resident, share)
+        if key not in self._attention_cache:
+            if not gpu:
+                self._attention_cache[key] = (Unit("attention", 0, cpu_s=c.cpu_attention_s(queries, context, sequences)), "cpu")
+            elif resident:
+                gpu_s = c.gpu_attention_s(queries, context, sequences) * share
+                self._attention_cache[key] = (Unit("attention", 0, gpu_s=gpu_s), "gpu")
+            else:
+                self._attention_cache[key] = self._offloaded(
+                    "attention", 0, c.part_bytes(layer, "attention"), c.gpu_attention_s(queries, context, sequences) * share,
+                    c.cpu_attention_s(queries, context, sequences), queries * sequences)
+        unit, where = self._attention_cache[key]
+        return replace(unit, layer=layer), where
 
     def _dense_part_s(self, layer: int, part: str, tokens: float, on_gpu: bool) -> float:
         c = self.cost

@@ -35,7 +35,7 @@ from hybridmoe.placement.routing import RoutingStats
 
 HYBRID_CHUNK = 2048  # prompt tokens per hybrid-prefill step (its activations are reserved in item 1)
 STATIC_KINDS = ("attention", "router", "shared", "dense", "lm_head")
-KEEP_FRACTIONS = (1.0, 0.5, 0.0)  # of the non-expert weights a stream-loading prefill may keep resident
+KEEP_FRACTIONS = (1.0, 0.0)  # of the non-expert weights a stream-loading prefill may keep resident
 REPORT_PROMPTS = (1024, 8192, 32768)
 GB = 1e9
 

@@ -1,0 +1,90 @@
+"""The plan / simulate / profile commands end to end (through hybridmoe.cli)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridmoe.cli import main
+from hybridmoe.commands.plan import parse_size
+
+
+def test_parse_size():
+    assert parse_size("24GB") == 24e9 and parse_size("24") == 24e9 and parse_size("22.5GiB") == 22.5 * 2**30
+    assert parse_size("512MB") == 512e6
+    with pytest.raises(ValueError, match="24GB"):
+        parse_size("lots")
+
+
+def test_plan_prints_a_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = main(["plan", "--model", "qwen3-30b-a3b", "--vram", "12GB", "--hardware", "rtx4090,desktop-2ch",
+                 "--experts", "int4", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0
+    for words in ("What goes where", "attention", "hot experts", "Decode, per batch tier", "Prefill", "TTFT"):
+        assert words in text
+    data = json.loads(out.read_text())
+    assert data["budget_bytes"] == 12e9 and data["resident_bytes"] <= 12e9 and data["expert_format"] == "int4"
+    assert [c["prompt_tokens"] for c in data["prefill"]] == [1024, 8192]
+
+
+def test_plan_from_a_model_directory(tmp_path, capsys):
+    from importlib import resources
+
+    model = tmp_path / "my-mixtral"
+    model.mkdir()
+    config = resources.files("hybridmoe.placement").joinpath("data/models/mixtral-8x7b/config.json").read_text()
+    (model / "config.json").write_text(config)
+    assert main(["plan", "--model", str(model), "--vram", "24GB", "--hardware", "rtx4090,desktop-2ch"]) == 0
+    text = capsys.readouterr().out
+    assert "my-mixtral" in text and "0-31" in text  # Mixtral's 32 layers
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--model", "nope", "--vram", "24GB", "--hardware", "rtx4090,desktop-2ch"], "packaged"),
+    (["plan", "--model", "deepseek-v3", "--vram", "lots", "--hardware", "rtx4090,desktop-2ch"], "cannot read size"),
+    (["plan", "--model", "deepseek-v3", "--vram", "24GB", "--profile", "/nonexistent.json"], "hybridmoe profile"),
+    (["plan", "--model", "deepseek-v3", "--vram", "1GB", "--hardware", "rtx4090,epyc-genoa-2s"], "raise --vram"),
+    (["simulate", "--model", "deepseek-v3"], "--hardware are required"),
+    (["simulate", "--model", "deepseek-v3", "--hardware", "rtx9999,epyc-genoa-2s"], "unknown hardware"),
+])
+def test_errors_say_what_is_wrong(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_simulate_writes_the_issue_schema(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    code = main(["simulate", "--model", "qwen3-30b-a3b", "--hardware", "rtx4090,desktop-2ch", "--formats", "int4",
+                 "--prompts", "2048", "--no-longest", "--json", str(out)])
+    assert code == 0 and "prefill tok/s" in capsys.readouterr().out
+    records = json.loads(out.read_text())
+    assert {r["strategy"] for r in records} == {"cpu-only", "hybrid", "slp"}
+    for r in records:
+        assert {"model", "hardware", "gpus", "strategy", "weight_format", "prompt_tokens", "ttft_s",
+                "prefill_tok_s", "decode_tok_s"} <= set(r)
+
+
+@pytest.mark.slow
+def test_simulate_paper_prints_the_comparison(capsys):
+    assert main(["simulate", "--paper"]) == 0
+    text = capsys.readouterr().out
+    assert "EPYC 9654" in text and "fitted" in text and "predicted" in text
+
+
+@pytest.mark.slow
+def test_profile_then_plan_with_it(tmp_path, capsys):
+    """A quick measured profile of this machine loads, says what it measured, and plans a model."""
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--quick", "--formats", "fp8", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["kind"] == "machine" and data["version"] == 1
+    assert data["expert_kernels"] and data["cpu"]["expert_table"]["fp8"][0][0] == 1
+    if data["gpu"]["stand_in"]:
+        assert "stand-in" in json.dumps(data["gpu"]) or "standing in" in json.dumps(data["gpu"])
+    capsys.readouterr()
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--vram", "4GB", "--profile", str(out),
+                 "--experts", "fp8", "--context", "2048"]) == 0
+    assert "What goes where" in capsys.readouterr().out
