@@ -4,7 +4,7 @@
 a checkpoint skips the batches it has already seen and continues exactly. A batch is
 (input_ids [B, T+1] int64, loss_weights [B, T] float32): the model reads input_ids[:, :-1] and predicts
 input_ids[:, 1:], each target weighted by loss_weights (passkey answer digits weigh more). From
-phase2_start_step on, the stream changes as the recipe says (more, shorter passkey examples).
+phase2_start_step on, passkey steps come more often and hold batches of right-padded examples.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 import passkey
 import sources
-from recipe import BOS_TOKEN, DATA_DIR, EOS_TOKEN, PASSKEY_FILLER_MIX, TEXT_MIX, TRAIN
+from recipe import BOS_TOKEN, DATA_DIR, EOS_TOKEN, PAD_TOKEN, PASSKEY_FILLER_MIX, TEXT_MIX, TRAIN
 
 
 def load_tokenizer(directory: Path = DATA_DIR / "tokenizer") -> Tokenizer:
@@ -62,6 +62,7 @@ class TrainingBatches:
         self.filler_pool = passkey.filler_sentences_from_fortunes(sources.read_fortunes())
         self.bos = tokenizer.token_to_id(BOS_TOKEN)
         self.eos = tokenizer.token_to_id(EOS_TOKEN)
+        self.pad = tokenizer.token_to_id(PAD_TOKEN)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         step = 0
@@ -97,11 +98,28 @@ class TrainingBatches:
         return ids, torch.ones(rows, width - 1)
 
     def passkey_batch(self, phase2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Phase 1: one example, answer digits weighted passkey_answer_weight. Phase 2: as many examples of
+        one log-uniform length as fit phase2_passkey_batch_tokens, right-padded (pads weigh 0), the digits of
+        each carrying half of its loss however long its filler is."""
         low, high = TRAIN["passkey_min_tokens"], TRAIN["passkey_max_tokens"]
-        if phase2:  # log-uniform: more short examples, still a quarter of them above 1K tokens
-            target = round(math.exp(self.rng.uniform(math.log(low), math.log(high))))
-        else:
-            target = self.rng.randint(low, high)
+        if not phase2:
+            ids, digits = self._passkey_example(self.rng.randint(low, high))
+            weights = torch.ones(len(ids) - 1)  # weights[t] belongs to target ids[t + 1]
+            weights[digits] = TRAIN["passkey_answer_weight"]
+            return torch.tensor(ids, dtype=torch.int64)[None], weights[None]
+        target = round(math.exp(self.rng.uniform(math.log(low), math.log(high))))
+        examples = [self._passkey_example(target) for _ in range(max(1, TRAIN["phase2_passkey_batch_tokens"] // target))]
+        width = max(len(ids) for ids, _ in examples)
+        input_ids = torch.full((len(examples), width), self.pad, dtype=torch.int64)  # [B, T+1]
+        weights = torch.zeros(len(examples), width - 1)  # [B, T]
+        for row, (ids, digits) in enumerate(examples):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            weights[row, : len(ids) - 1] = 1.0
+            weights[row, digits] = (len(ids) - 1 - len(digits)) / len(digits)
+        return input_ids, weights
+
+    def _passkey_example(self, target: int) -> tuple[list[int], list[int]]:
+        """(token ids [BOS, prompt, answer, EOS], target indices of the answer digits)."""
         kinds = list(PASSKEY_FILLER_MIX)
         kind = self.rng.choices(kinds, [PASSKEY_FILLER_MIX[k] for k in kinds])[0]
         pool = self.filler_pool if kind == "fortunes" else None
@@ -109,14 +127,10 @@ class TrainingBatches:
         prompt = self.tokenizer.encode(example.prompt, add_special_tokens=False).ids
         answer = self.tokenizer.encode(example.answer, add_special_tokens=False).ids
         ids = [self.bos, *prompt, *answer, self.eos]
-        weights = torch.ones(len(ids) - 1)  # weights[t] belongs to target ids[t + 1]
-        first_answer_target = len(prompt)  # target index of the first answer token
+        first_answer_target = len(prompt)  # target index (into ids[1:]) of the first answer token
         digits = [first_answer_target + offset for offset, token in enumerate(answer)
                   if self.tokenizer.id_to_token(token).isdigit()]
-        # phase 2: the digits weigh as much as all other targets together
-        answer_weight = (len(weights) - len(digits)) / len(digits) if phase2 else TRAIN["passkey_answer_weight"]
-        weights[digits] = answer_weight
-        return torch.tensor(ids, dtype=torch.int64)[None], weights[None]
+        return ids, digits
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)

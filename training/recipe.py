@@ -76,11 +76,13 @@ TRAIN = dict(
     passkey_min_tokens=96,
     passkey_max_tokens=2300,
     passkey_answer_weight=20.0,  # loss weight of the answer digits relative to every other token
-    # Phase 2 (added at step 600 of the shipped run, when the answer loss was still at chance, ln 10): more
-    # and shorter passkey examples (log-uniform lengths), the answer digits carrying half of each example's
-    # loss however long its filler is. Phase 1's batches are unchanged, so the run stays one seeded stream.
+    # Phase 2 (added at step 600 of the shipped run, when the answer loss was still at chance, ln 10):
+    # passkey steps half the time, each a batch of examples of one log-uniform length filling
+    # phase2_passkey_batch_tokens (dozens of short ones, one or two long ones), the answer digits carrying
+    # half of each example's loss. Phase 1's batches are unchanged, so the run stays one seeded stream.
     phase2_start_step=600,
     phase2_passkey_step_fraction=0.5,
+    phase2_passkey_batch_tokens=3072,
     lr=2e-3,
     min_lr_ratio=0.1,
     warmup_steps=100,

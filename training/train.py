@@ -167,9 +167,9 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), TRAIN["grad_clip"])
         optimizer.step()
         imbalance = balancer.update()
-        tokens_seen += input_ids.shape[0] * (input_ids.shape[1] - 1)
-        if input_ids.shape[0] == 1:  # a passkey example
-            window["passkey"].append(token_loss.mean().item())
+        tokens_seen += int((weights > 0).sum())
+        if (weights > 1).any():  # passkey examples
+            window["passkey"].append(token_loss[weights > 0].mean().item())
             window["answer"].append(token_loss[weights > 1].mean().item())
         else:
             window["text"].append(token_loss.mean().item())
