@@ -80,11 +80,14 @@ void check_shape(const std::string& what, const A& a, int64_t rows, int64_t cols
     fail(what, "expected shape [" + std::to_string(rows) + ", " + std::to_string(cols) + "], got " + shape_str(a));
 }
 
-// A weight matrix and the arrays that own its memory.
+// A weight matrix, the arrays that own its memory, and (fp8) its per-row code flags.
 struct PyMatrix {
   Matrix m;
   nb::object data, scales;
+  std::shared_ptr<std::vector<uint8_t>> row_flags;
 };
+
+void run_sync(std::function<void()> fn);
 
 PyMatrix make_matrix(const std::string& fmt, nb::object data_obj, nb::object scales_obj, int64_t rows, int64_t cols,
                      int block_rows, int block_cols, int group, const std::string& name) {
@@ -148,6 +151,16 @@ PyMatrix make_matrix(const std::string& fmt, nb::object data_obj, nb::object sca
   }
   m.data = static_cast<const uint8_t*>(data.data());
   m.row_bytes = data.stride(0) * static_cast<int64_t>(data.dtype().bits / 8);
+  if (m.fmt == WFormat::FP8) {  // one pass at load: where the NaN and subnormal codes are
+    const int64_t stride = ((cols + block_cols - 1) / block_cols + 7) / 8;
+    pm.row_flags = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(rows * (1 + stride)));
+    const Matrix view = m;
+    uint8_t* flags = pm.row_flags->data();
+    run_sync([view, flags, rows, stride] { scan_fp8_rows(view, flags, flags + rows, stride, global_pool()); });
+    m.row_flags = flags;
+    m.subnormal_blocks = flags + rows;
+    m.subnormal_stride = stride;
+  }
   pm.data = data_obj;
   pm.scales = scales_obj;
   return pm;
@@ -307,7 +320,15 @@ NB_MODULE(_native, mod) {
   nb::class_<PyMatrix>(mod, "Matrix", "A weight matrix [rows, cols] in one format, holding its arrays")
       .def_prop_ro("rows", [](const PyMatrix& p) { return p.m.rows; })
       .def_prop_ro("cols", [](const PyMatrix& p) { return p.m.cols; })
-      .def_prop_ro("padded_cols", [](const PyMatrix& p) { return p.m.padded_cols; });
+      .def_prop_ro("padded_cols", [](const PyMatrix& p) { return p.m.padded_cols; })
+      .def_prop_ro("flag_bytes", [](const PyMatrix& p) { return p.row_flags ? p.row_flags->size() : size_t{0}; },
+                   "fp8: bytes of the per-row NaN / per-block subnormal flags made at load")
+      .def_prop_ro("nan_rows", [](const PyMatrix& p) {
+        std::vector<int64_t> rows;
+        for (int64_t r = 0; p.row_flags && r < p.m.rows; ++r)
+          if ((*p.row_flags)[r] & kRowHasNan) rows.push_back(r);
+        return rows;
+      }, "fp8: rows holding a NaN code (their outputs are NaN)");
   mod.def("make_matrix", &make_matrix, "fmt"_a, "data"_a, "scales"_a.none(), "rows"_a, "cols"_a,
           "block_rows"_a = 128, "block_cols"_a = 128, "group"_a = 0, "name"_a = "weight",
           "Wraps arrays (no copy) as a weight matrix; checks dtype, shape and layout for the format.");

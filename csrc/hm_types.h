@@ -35,7 +35,17 @@ struct Matrix {
   int64_t scale_stride = 0;       // scale elements per scale row
   int block_rows = 0, block_cols = 0;  // fp8
   int group = 0;                       // int formats: 32 or 128
+  const uint8_t* row_flags = nullptr;  // fp8: per row, kRowHasNan | kRowHasSubnormal (scan_fp8_rows)
+  const uint8_t* subnormal_blocks = nullptr;  // fp8: bit kb of row r: a subnormal code in column block kb
+  int64_t subnormal_stride = 0;               // bytes per row of subnormal_blocks
 };
+
+static inline bool block_has_subnormal(const Matrix& w, int64_t row, int64_t kb) {
+  return (w.subnormal_blocks[row * w.subnormal_stride + (kb >> 3)] >> (kb & 7)) & 1;
+}
+
+constexpr uint8_t kRowHasNan = 1;        // a 0x7F / 0xFF code
+constexpr uint8_t kRowHasSubnormal = 2;  // a code with exponent 0 and mantissa != 0
 
 // M tokens' input rows in the form a matrix needs: fp32 rows (float formats) or int8 rows quantised per group
 // (int formats). Float rows are zero-padded to `ldx` >= round_up(K, 16); int rows to the matrix's padded K.

@@ -32,12 +32,19 @@ using I64 = int64_t;
 inline I64 imin(I64 a, I64 b) { return a < b ? a : b; }
 inline I64 imax(I64 a, I64 b) { return a > b ? a : b; }
 
-constexpr I64 kRowBlock = 256;      // rows whose NaN flags one pass keeps
+constexpr I64 kRowBlock = 256;      // rows a GEMM pass covers per K chunk (the chunk's activations stay in L2)
 constexpr I64 kGemmChunkK = 1024;   // K elements per GEMM chunk (activations of the tile's tokens stay in L2)
+
+// Decoding of fp8 rows without subnormal codes (the common case): value * 2^-120 by bit placement, 3 operations
+// a vector. WFormat::FP8 itself decodes exactly through IEEE half bits (value * 2^-8).
+constexpr WFormat kFp8Normal = static_cast<WFormat>(100);
+constexpr float kFp8NormalUnscale = 0x1p104f;  // folded into the activations; the other 2^16 into the output
+constexpr float kFp8NormalOutput = 0x1p16f;
+constexpr float kFp8ExactUnscale = 0x1p-8f;  // exact decode gives value * 2^-8; products then match 2^-16 too
 
 template <WFormat F>
 constexpr I64 bytes_per_weight() {
-  return F == WFormat::F32 ? 4 : (F == WFormat::FP8 ? 1 : 2);
+  return F == WFormat::F32 ? 4 : (F == WFormat::FP8 || F == kFp8Normal ? 1 : 2);
 }
 
 template <class V, WFormat F>
@@ -45,23 +52,8 @@ inline typename V::F decode(const uint8_t* p) {
   if constexpr (F == WFormat::F32) return V::load(reinterpret_cast<const float*>(p));
   else if constexpr (F == WFormat::BF16) return V::load_bf16(reinterpret_cast<const uint16_t*>(p));
   else if constexpr (F == WFormat::F16) return V::load_f16(reinterpret_cast<const uint16_t*>(p));
+  else if constexpr (F == kFp8Normal) return V::load_fp8_normal(p);
   else return V::load_fp8(p);
-}
-
-// True when p[0, n) holds an e4m3fn NaN code (0x7F, the largest signed byte, or 0xFF, the largest unsigned).
-inline bool fp8_has_nan(const uint8_t* p, I64 n) {
-  __m256i smax = _mm256_set1_epi8(-128), umax = _mm256_setzero_si256();
-  I64 i = 0;
-  for (; i + 32 <= n; i += 32) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
-    smax = _mm256_max_epi8(smax, v);
-    umax = _mm256_max_epu8(umax, v);
-  }
-  const __m256i hits = _mm256_or_si256(_mm256_cmpeq_epi8(smax, _mm256_set1_epi8(0x7F)),
-                                       _mm256_cmpeq_epi8(umax, _mm256_set1_epi8(-1)));
-  bool any = !_mm256_testz_si256(hits, hits);
-  for (; i < n; ++i) any |= (p[i] & 0x7F) == 0x7F;
-  return any;
 }
 
 // A per-thread scratch buffer of at least n floats (grows, never shrinks).
@@ -91,68 +83,146 @@ inline const float** scratch_pointers(I64 n) {
 // ---------------------------------------------------------------------------------------------------------
 // Float formats
 
-// out[i][j] = sum over k in [0, n) of W[row i][k] * x[token j][k]. kPadded: rows readable (zero) up to a
+// acc[i][j] += sum over k in [k0, k1) of W[row i][k] * x[token j][k]. kPadded: rows readable (zero) up to a
 // multiple of W; else the last partial vector is copied into a zero-padded buffer (x is zero-padded always).
 template <class V, WFormat F, bool kPadded, int R, int MT>
-inline void fp_tile(const uint8_t* const* rowp, I64 n, const float* const* xr, float (&out)[R][MT]) {
+inline void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* const* xr,
+                       typename V::F (&acc)[R][MT]) {
   constexpr int W = V::W;
   constexpr I64 B = bytes_per_weight<F>();
-  typename V::F acc[R][MT];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < MT; ++j) acc[i][j] = V::zero();
-  I64 k = 0;
-  for (; k + W <= n || (kPadded && k < n); k += W) {
+  I64 k = k0;
+  for (; k + W <= k1 || (kPadded && k < k1); k += W) {
     for (int i = 0; i < R; ++i) {
       const typename V::F w = decode<V, F>(rowp[i] + k * B);
       for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xr[j] + k), acc[i][j]);
     }
   }
-  if (!kPadded && k < n) {
+  if (!kPadded && k < k1) {
     alignas(64) uint8_t tail[W * B];
     for (int i = 0; i < R; ++i) {
       std::memset(tail, 0, sizeof(tail));
-      std::memcpy(tail, rowp[i] + k * B, static_cast<size_t>((n - k) * B));
+      std::memcpy(tail, rowp[i] + k * B, static_cast<size_t>((k1 - k) * B));
       const typename V::F w = decode<V, F>(tail);
       for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xr[j] + k), acc[i][j]);
     }
   }
+}
+
+template <class V, int R, int MT>
+inline void zero_and_finish(typename V::F (&acc)[R][MT], float (*out)[MT], bool finish) {
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < MT; ++j) out[i][j] = V::hsum(acc[i][j]);
+    for (int j = 0; j < MT; ++j) {
+      if (finish) out[i][j] = V::hsum(acc[i][j]);
+      else acc[i][j] = V::zero();
+    }
+}
+
+// out[i][j] = sum over k in [0, n) of W[row i][k] * x[token j][k].
+template <class V, WFormat F, bool kPadded, int R, int MT>
+inline void fp_tile(const uint8_t* const* rowp, I64 n, const float* const* xr, float (&out)[R][MT]) {
+  typename V::F acc[R][MT];
+  zero_and_finish<V, R, MT>(acc, out, false);
+  accumulate<V, F, kPadded, R, MT>(rowp, 0, n, xr, acc);
+  zero_and_finish<V, R, MT>(acc, out, true);
+}
+
+// The fp8 tile of the GEMV path: per column block, the 3-operation decode against x scaled for it, or, where a
+// row of the tile has a subnormal code in the block, the exact decode against x scaled for that (both give
+// products * 2^-16; x_fast == nullptr: exact everywhere).
+template <class V, int R, int MT>
+inline void fp8_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows, const float* const* xfast,
+                     const float* const* xexact, float (&out)[R][MT]) {
+  typename V::F acc[R][MT];
+  zero_and_finish<V, R, MT>(acc, out, false);
+  for (I64 k0 = 0, kb = 0; k0 < w.cols; k0 += w.block_cols, ++kb) {
+    const I64 k1 = imin(w.cols, k0 + w.block_cols);
+    bool exact = xfast == nullptr;
+    for (int i = 0; i < R; ++i) exact |= block_has_subnormal(w, rows[i], kb);
+    if (exact) accumulate<V, WFormat::FP8, false, R, MT>(rowp, k0, k1, xexact, acc);
+    else accumulate<V, kFp8Normal, false, R, MT>(rowp, k0, k1, xfast, acc);
+  }
+  zero_and_finish<V, R, MT>(acc, out, true);
 }
 
 // y[(m + j) * ldy + row0 + i] (+)= out[i][j] for the tile's valid rows.
 template <int R, int MT>
-inline void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_rows, bool first, const float (&out)[R][MT]) {
+inline void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_rows, bool first, const float (&out)[R][MT],
+                       float scale = 1.0f) {
   for (int i = 0; i < R && i < valid_rows; ++i)
     for (int j = 0; j < MT; ++j) {
       float& dst = y[(m + j) * ldy + row0 + i];
-      dst = first ? out[i][j] : dst + out[i][j];
+      dst = first ? out[i][j] * scale : dst + out[i][j] * scale;
     }
 }
 
 // All token tiles of one 4-row tile: y rows [row0, row0 + valid) (+)= W4 [k0, k0 + n) . x[m][k0, k0 + n).
 template <class V, WFormat F, bool kPadded>
 inline void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const float* const* xrows, I64 M, I64 k0,
-                                float* y, I64 ldy, I64 row0, I64 valid, bool first) {
+                                float* y, I64 ldy, I64 row0, I64 valid, bool first, float scale = 1.0f) {
   I64 m = 0;
   for (; m + 2 <= M; m += 2) {  // 4 rows x 2 tokens: each x vector feeds 4 FMAs (x streams from L2)
     const float* xr[2] = {xrows[m] + k0, xrows[m + 1] + k0};
     float o[4][2];
     fp_tile<V, F, kPadded, 4, 2>(rowp, n, xr, o);
-    store_tile<4, 2>(y, ldy, m, row0, valid, first, o);
+    store_tile<4, 2>(y, ldy, m, row0, valid, first, o, scale);
   }
   if (m < M) {
     const float* xr[1] = {xrows[m] + k0};
     float o[4][1];
     fp_tile<V, F, kPadded, 4, 1>(rowp, n, xr, o);
-    store_tile<4, 1>(y, ldy, m, row0, valid, first, o);
+    store_tile<4, 1>(y, ldy, m, row0, valid, first, o, scale);
   }
 }
 
-inline void set_nan_rows(const bool* nan_row, I64 rb, I64 re, I64 r0, I64 M, float* y, I64 ldy) {
-  for (I64 r = rb; r < re; ++r)
-    if (nan_row[r - rb])
+// All token tiles of one 4-row fp8 tile (see fp8_tile); rows[i] are the tile's row indices.
+template <class V>
+inline void fp8_row_tile_all_tokens(const Matrix& w, const uint8_t* const* rowp, const I64* rows,
+                                    const float* const* xfast, const float* const* xexact, I64 M, float* y, I64 ldy,
+                                    I64 row0, I64 valid) {
+  I64 m = 0;
+  for (; m + 2 <= M; m += 2) {
+    const float* xf[2] = {xfast ? xfast[m] : nullptr, xfast ? xfast[m + 1] : nullptr};
+    const float* xe[2] = {xexact[m], xexact[m + 1]};
+    float o[4][2];
+    fp8_tile<V, 4, 2>(w, rowp, rows, xfast ? xf : nullptr, xe, o);
+    store_tile<4, 2>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
+  }
+  if (m < M) {
+    const float* xf[1] = {xfast ? xfast[m] : nullptr};
+    const float* xe[1] = {xexact[m]};
+    float o[4][1];
+    fp8_tile<V, 4, 1>(w, rowp, rows, xfast ? xf : nullptr, xe, o);
+    store_tile<4, 1>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
+  }
+}
+
+// Rows holding an fp8 NaN code give NaN for every token (as dequantise-then-matmul would).
+inline void set_nan_rows(const Matrix& w, I64 r0, I64 r1, I64 M, float* y, I64 ldy) {
+  for (I64 r = r0; r < r1; ++r)
+    if (w.row_flags[r] & kRowHasNan)
       for (I64 m = 0; m < M; ++m) y[m * ldy + r - r0] = NAN;
+}
+
+// Scales x's rows by the fp8 block scales of one row block times `unscale` into dst (M rows of ldx); false
+// when a product overflowed float32.
+inline bool scale_activations(const Matrix& w, const float* srow, const Activations& x, float unscale, float* dst,
+                              const float** rows) {
+  const I64 K = w.cols;
+  bool finite = true;
+  for (I64 m = 0; m < x.m; ++m) {
+    float* out = dst + m * x.ldx;
+    const float* src = x_row(x, m);
+    for (I64 kb = 0; kb < K; kb += w.block_cols) {
+      const float s = srow[kb / w.block_cols] * unscale;
+      for (I64 k = kb; k < imin(K, kb + w.block_cols); ++k) {
+        out[k] = src[k] * s;
+        finite &= !__builtin_isinf(out[k]) || __builtin_isinf(src[k]);
+      }
+    }
+    for (I64 k = K; k < x.ldx; ++k) out[k] = 0.0f;
+    rows[m] = out;
+  }
+  return finite;
 }
 
 // The end of the segment of rows starting at r that share one fp8 scale row (rows of one row block).
@@ -162,45 +232,50 @@ inline I64 segment_end(const Matrix& w, I64 r, I64 re) {
 
 constexpr I64 kMaxTokensGemv = kGemmMinTokens;  // token pointers the GEMV path keeps on the stack
 
-// GEMV path: whole rows, tiles of 4 rows; fp8 block scales (times 2^8) are folded into a copy of the few
-// tokens' activations per row block, so the inner loop is decode + FMA.
+// GEMV path: whole rows, tiles of 4 rows. fp8 block scales are folded into a copy of the few tokens'
+// activations per row block, so the inner loop is decode + FMA; column blocks without subnormal codes use the
+// 3-operation decode (activations scaled by 2^104 more, outputs by 2^16), the others the exact one (their
+// activation copy is made when first needed).
 template <class V, WFormat F>
 void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
   const I64 K = w.cols, M = x.m;
   const float* xrows[kMaxTokensGemv];
+  const float* exact_rows[kMaxTokensGemv] = {};
   for (I64 m = 0; m < M; ++m) xrows[m] = x_row(x, m);
-  for (I64 rb = r0; rb < r1; rb += kRowBlock) {
-    const I64 re = imin(rb + kRowBlock, r1);
-    bool nan_row[kRowBlock] = {};
-    for (I64 s0 = rb; s0 < re;) {
-      const I64 s1 = segment_end(w, s0, re);
-      if constexpr (F == WFormat::FP8) {
-        const float* srow = static_cast<const float*>(w.scales) + (s0 / w.block_rows) * w.scale_stride;
-        float* scaled = scratch_floats(M * x.ldx);
-        for (I64 m = 0; m < M; ++m) {
-          float* dst = scaled + m * x.ldx;
-          const float* src = x_row(x, m);
-          for (I64 kb = 0; kb < K; kb += w.block_cols) {
-            const float s = srow[kb / w.block_cols] * 0x1p8f;
-            for (I64 k = kb; k < imin(K, kb + w.block_cols); ++k) dst[k] = src[k] * s;
-          }
-          for (I64 k = K; k < x.ldx; ++k) dst[k] = 0.0f;
-          xrows[m] = dst;
-        }
-      }
-      for (I64 r = s0; r < s1; r += 4) {
-        const uint8_t* rowp[4];
-        for (int i = 0; i < 4; ++i) {
-          rowp[i] = w.data + imin(r + i, s1 - 1) * w.row_bytes;  // a short tile repeats its last row (not stored)
-          if constexpr (F == WFormat::FP8)
-            if (r + i < s1 && fp8_has_nan(rowp[i], K)) nan_row[r + i - rb] = true;
-        }
-        row_tile_all_tokens<V, F, false>(rowp, K, xrows, M, 0, y, ldy, r - r0, imin(4, s1 - r), true);
-      }
-      s0 = s1;
+  if constexpr (F != WFormat::FP8) {
+    for (I64 r = r0; r < r1; r += 4) {
+      const uint8_t* rowp[4];
+      for (int i = 0; i < 4; ++i) rowp[i] = w.data + imin(r + i, r1 - 1) * w.row_bytes;  // short tile: repeat
+      row_tile_all_tokens<V, F, false>(rowp, K, xrows, M, 0, y, ldy, r - r0, imin(4, r1 - r), true);
     }
-    if constexpr (F == WFormat::FP8) set_nan_rows(nan_row, rb, re, r0, M, y, ldy);
+    return;
   }
+  float* scaled = scratch_floats(2 * M * x.ldx);
+  for (I64 s0 = r0; s0 < r1;) {
+    const I64 s1 = segment_end(w, s0, r1);
+    const float* srow = static_cast<const float*>(w.scales) + (s0 / w.block_rows) * w.scale_stride;
+    const bool fast = scale_activations(w, srow, x, kFp8NormalUnscale, scaled, xrows);
+    bool exact_ready = false;
+    for (I64 r = s0; r < s1; r += 4) {
+      const uint8_t* rowp[4];
+      I64 rows[4];
+      uint8_t flags = 0;
+      for (int i = 0; i < 4; ++i) {
+        rows[i] = imin(r + i, s1 - 1);  // a short tile repeats its last row (not stored)
+        rowp[i] = w.data + rows[i] * w.row_bytes;
+        flags |= w.row_flags[rows[i]];
+      }
+      const bool need_exact = !fast || (flags & kRowHasSubnormal);
+      if (need_exact && !exact_ready) {
+        scale_activations(w, srow, x, kFp8ExactUnscale, scaled + M * x.ldx, exact_rows);
+        exact_ready = true;
+      }
+      fp8_row_tile_all_tokens<V>(w, rowp, rows, fast ? xrows : nullptr, exact_rows, M, y, ldy, r - r0,
+                                 imin(4, s1 - r));
+    }
+    s0 = s1;
+  }
+  set_nan_rows(w, r0, r1, M, y, ldy);
 }
 
 // dst[k] = decode(src[k]) * s for k in [kb, ke) (a partial last vector through a zero-padded copy).
@@ -235,7 +310,6 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
   const float* scales = static_cast<const float*>(w.scales);
   for (I64 rb = r0; rb < r1; rb += kRowBlock) {
     const I64 re = imin(rb + kRowBlock, r1);
-    bool nan_row[kRowBlock] = {};
     for (I64 k0 = 0; k0 < K; k0 += kc) {
       const I64 n = imin(kc, K - k0);
       for (I64 r = rb; r < re; r += 4) {
@@ -249,10 +323,14 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
           }
           float* dst = panel + i * panel_ld;
           if constexpr (F == WFormat::FP8) {
-            if (r + i < re && fp8_has_nan(src, n)) nan_row[r + i - rb] = true;
             const float* srow = scales + (ri / w.block_rows) * w.scale_stride;
-            for (I64 kb = 0; kb < n; kb += bc)
-              decode_store<V, F>(src, dst, kb, imin(n, kb + bc), V::set1(srow[(k0 + kb) / bc] * 0x1p8f));
+            for (I64 kb = 0; kb < n; kb += bc) {
+              const float s = srow[(k0 + kb) / bc];
+              if (block_has_subnormal(w, ri, (k0 + kb) / bc))
+                decode_store<V, F>(src, dst, kb, imin(n, kb + bc), V::set1(s * 0x1p8f));
+              else
+                decode_store<V, kFp8Normal>(src, dst, kb, imin(n, kb + bc), V::set1(s * 0x1p120f));
+            }
           } else {
             decode_store<V, F>(src, dst, 0, n, V::set1(1.0f));
           }
@@ -265,8 +343,8 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
           row_tile_all_tokens<V, WFormat::F32, true>(rowp, n, xrows, M, k0, y, ldy, r - r0, imin(4, re - r), k0 == 0);
       }
     }
-    if constexpr (F == WFormat::FP8) set_nan_rows(nan_row, rb, re, r0, M, y, ldy);
   }
+  if constexpr (F == WFormat::FP8) set_nan_rows(w, r0, r1, M, y, ldy);
 }
 
 template <class V, WFormat F>

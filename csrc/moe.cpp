@@ -239,6 +239,30 @@ void run_matmul(const Matrix& w, const float* x, I64 m, I64 ldx, float* y, Matmu
   });
 }
 
+void scan_fp8_rows(const Matrix& w, uint8_t* flags, uint8_t* blocks, I64 block_stride, ThreadPool& pool) {
+  constexpr I64 kRowsPerTask = 64;
+  pool.parallel_for(ceil_div(w.rows, kRowsPerTask), [&](I64 task, int) {
+    for (I64 r = task * kRowsPerTask; r < std::min(w.rows, (task + 1) * kRowsPerTask); ++r) {
+      const uint8_t* row = w.data + r * w.row_bytes;
+      uint8_t* bits = blocks + r * block_stride;
+      std::memset(bits, 0, static_cast<size_t>(block_stride));
+      uint8_t nan = 0;
+      for (I64 k0 = 0, kb = 0; k0 < w.cols; k0 += w.block_cols, ++kb) {
+        uint8_t subnormal = 0;
+        for (I64 k = k0; k < std::min(w.cols, k0 + w.block_cols); ++k) {
+          const uint8_t magnitude = row[k] & 0x7F;
+          nan |= magnitude == 0x7F;
+          subnormal |= magnitude != 0 && magnitude < 0x08;
+        }
+        bits[kb >> 3] |= static_cast<uint8_t>(subnormal << (kb & 7));
+      }
+      bool any_subnormal = false;
+      for (I64 i = 0; i < block_stride; ++i) any_subnormal |= bits[i] != 0;
+      flags[r] = static_cast<uint8_t>((nan ? kRowHasNan : 0) | (any_subnormal ? kRowHasSubnormal : 0));
+    }
+  });
+}
+
 double measure_read_bandwidth(const uint64_t* p, I64 words, int repeats, const KernelTable& kt, ThreadPool& pool) {
   const int threads = pool.size();
   const I64 per = (words / threads) & ~static_cast<I64>(15);

@@ -57,6 +57,10 @@ void run_matmul(const Matrix& w, const float* x, int64_t m, int64_t ldx, float* 
 // scale = amax / 127, qsum = scale * sum(q). A group holding a NaN/Inf gets q = 0 and scale = NaN.
 void quantize_row(const float* x, int64_t k, int64_t padded, int group, int8_t* q, float* scale, float* qsum);
 
+// For the fp8 codes of each row r: flags[r] = kRowHasNan | kRowHasSubnormal as they occur, and bit kb of
+// blocks[r * block_stride ...] set when column block kb holds a subnormal code. Runs on `pool`.
+void scan_fp8_rows(const Matrix& w, uint8_t* flags, uint8_t* blocks, int64_t block_stride, ThreadPool& pool);
+
 // Bytes per second of reading `words` 64-bit words from p, split over the pool's threads (best of `repeats`).
 double measure_read_bandwidth(const uint64_t* p, int64_t words, int repeats, const KernelTable& kt, ThreadPool& pool);
 // Float ops per second of register-only FMA chains on every thread of the pool.

@@ -35,6 +35,12 @@ struct Avx512 {
     return _mm512_cvtph_ps(h);
   }
 
+  static F load_fp8_normal(const uint8_t* p) {
+    __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    v = _mm512_and_si512(_mm512_slli_epi32(v, 20), _mm512_set1_epi32(static_cast<int>(0x87F00000u)));
+    return _mm512_castsi512_ps(v);
+  }
+
   static F exp(F x) {
     x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), x);
     x = _mm512_max_ps(_mm512_set1_ps(-88.3762626647949f), x);

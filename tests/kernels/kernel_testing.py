@@ -8,11 +8,13 @@ from hybridmoe.kernels import formats
 
 
 def random_fp8(rows: int, cols: int, block: tuple[int, int], gen: torch.Generator,
-               subnormal_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               subnormal_only: bool = False, normal_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Random e4m3fn codes (no NaN codes) [rows, cols] and float32 block scales of varied magnitude."""
     codes = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.int64)
     if subnormal_only:
         codes = codes & 0x87  # exponent bits 0: zero or subnormal
+    if normal_only:
+        codes = torch.where((codes & 0x78) == 0, codes | 0x08, codes)  # exponent >= 1
     codes = torch.where((codes & 0x7F) == 0x7F, codes ^ 0x01, codes)  # 0x7F/0xFF -> 0x7E/0xFE
     nr, nc = -(-rows // block[0]), -(-cols // block[1])
     scales = torch.pow(2.0, torch.empty(nr, nc).uniform_(-12, 3, generator=gen)).float()

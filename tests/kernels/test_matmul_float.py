@@ -60,6 +60,29 @@ def test_fp8_subnormals_decode_exactly(each_isa):
         _check(matmul(m, x, path), x, w64)
 
 
+@pytest.mark.parametrize("path", ["gemv", "gemm"])
+def test_fp8_blocks_with_and_without_subnormals(each_isa, path):
+    """Column blocks free of subnormal codes take the 3-operation decode, the others the exact one; a tile
+    mixes both. Activations so large that the fast path's scaling would overflow fall back to the exact one."""
+    gen = torch.Generator().manual_seed(13)
+    rows, cols = 70, 600
+    q, s = random_fp8(rows, cols, (32, 128), gen, normal_only=True)
+    codes = q.view(torch.uint8).clone()
+    codes[5, 300] = 0x03  # one subnormal in row 5, column block 2
+    codes[40:44, 130] = 0x81  # rows 40-43, block 1
+    q = codes.view(torch.float8_e4m3fn)
+    m = kernel_matrix("fp8", q, s, block=(32, 128))
+    assert m.flag_bytes == rows * (1 + 1)
+    w64 = reference.dequantize("fp8", q, s, block=(32, 128))
+    for tokens in (1, 2, 3, 9):
+        x = torch.randn(tokens, cols, generator=gen)
+        _check(matmul(m, x, path), x, w64)
+    big_scales = torch.full_like(s, 100.0)
+    big = kernel_matrix("fp8", q, big_scales, block=(32, 128))
+    x = torch.randn(2, cols, generator=gen) * 1e6  # |x * scale| > 2^24: x * scale * 2^104 overflows
+    _check(matmul(big, x, path), x, reference.dequantize("fp8", q, big_scales, block=(32, 128)))
+
+
 @pytest.mark.parametrize("tokens,path", [(1, "gemv"), (2, "gemv"), (9, "gemm")])
 def test_fp8_nan_codes_give_nan_rows(each_isa, tokens, path):
     gen = torch.Generator().manual_seed(11)
@@ -70,8 +93,10 @@ def test_fp8_nan_codes_give_nan_rows(each_isa, tokens, path):
     codes[49, 128] = 0x7F
     q = codes.view(torch.float8_e4m3fn)
     x = torch.randn(tokens, 300, generator=gen)
-    out = matmul(kernel_matrix("fp8", q, s), x, path)
+    m = kernel_matrix("fp8", q, s)
+    out = matmul(m, x, path)
     nan_rows = [3, 10, 49]
+    assert m.nan_rows == nan_rows
     assert torch.isnan(out[:, nan_rows]).all()
     keep = [r for r in range(50) if r not in nan_rows]
     _check(out[:, keep], x, reference.dequantize("fp8", q, s)[keep])
