@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except (ValueError, FileNotFoundError) as error:  # bad input: ConfigError, CheckpointError, bad flags
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -67,8 +67,9 @@ class GenerationStats:
                 f"decode: {self.decode_tok_s:.1f} tok/s")
 
 
-def stream(engine: LLMEngine, prompt: str | list[int], params: SamplingParams, out=sys.stdout) -> tuple[str, GenerationStats]:
-    """Run one request, writing text to `out` as it is produced; returns the text and its timings."""
+def stream(engine: LLMEngine, prompt: str | list[int], params: SamplingParams, out=None) -> tuple[str, GenerationStats]:
+    """Run one request, writing text to `out` (default: stdout) as it is produced; returns text and timings."""
+    out = out or sys.stdout
     start = time.perf_counter()
     req_id = engine.add_request(prompt, params)
     first = None

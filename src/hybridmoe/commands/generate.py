@@ -18,20 +18,12 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    try:
-        params = sampling_params(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    params = sampling_params(args)
     engine = build_engine(args.model, args)
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    try:
-        _, stats = stream(engine, prompt, params)
-    except ValueError as e:
-        print(f"\nerror: {e}", file=sys.stderr)
-        return 2
+    _, stats = stream(engine, prompt, params)
     print()
     print(stats.summary(), file=sys.stderr)
     return 0
