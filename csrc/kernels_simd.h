@@ -134,6 +134,13 @@ inline void fp8_tile(const Matrix& w, const uint8_t* const* rowp, const I64* row
                      const float* const* xexact, float (&out)[R][MT]) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
+  uint8_t flags = 0;
+  for (int i = 0; i < R; ++i) flags |= w.row_flags[rows[i]];
+  if (xfast && !(flags & kRowHasSubnormal)) {  // the common case: whole rows in one loop
+    accumulate<V, kFp8Normal, false, R, MT>(rowp, 0, w.cols, xfast, acc);
+    zero_and_finish<V, R, MT>(acc, out, true);
+    return;
+  }
   for (I64 k0 = 0, kb = 0; k0 < w.cols; k0 += w.block_cols, ++kb) {
     const I64 k1 = imin(w.cols, k0 + w.block_cols);
     bool exact = xfast == nullptr;
