@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from hybridmoe.bench.costmodel import count_aten_ops
 from hybridmoe.commands.plan import DEFAULT_PROFILE
 
 EXPERT_SHAPE = (2048, 768)  # (H, I): Qwen3-30B-A3B's routed experts
@@ -32,6 +33,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", default=str(DEFAULT_PROFILE), help=f"where to write it (default {DEFAULT_PROFILE})")
     p.add_argument("--quick", action="store_true", help="smaller working sets and fewer repeats (less exact)")
     p.add_argument("--formats", default="fp8,int4,bf16", help="expert formats to measure (default fp8,int4,bf16)")
+    p.add_argument("--threads", type=int, help="threads for torch and the kernels (default: all CPUs)")
     p.set_defaults(func=run)
 
 
@@ -179,10 +181,28 @@ class Measurer:
             rows.append([t, 2 * t * n * n / seconds / 1e12])
         return rows
 
-    def attention_table(self, device) -> list[list[float]]:
-        """Achieved TFLOP/s of causal-free attention of 256 queries (16 heads x 128) against C keys."""
+    def op_latency_us(self, device) -> float:
+        """Host-side cost of one small op: a decoder-like mix of tiny ops, timed, over its aten op count."""
         torch = self.torch
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        F = torch.nn.functional
+        x = torch.randn(1, 256, dtype=torch.bfloat16, device=device)
+        w = torch.randn(256, 256, dtype=torch.bfloat16, device=device)
+
+        def mix():
+            y = F.linear(x, w)
+            y = y * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(y.dtype)
+            s = torch.softmax(F.silu(y).float() + x.float(), -1)
+            top = torch.topk(s, 4)[1]
+            return torch.cat([y[:, :128], y.index_select(1, top[0])], -1)
+
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        seconds = best_time(lambda: ([mix() for _ in range(50)], sync()), self.repeats) / 50
+        return seconds / count_aten_ops(mix) * 1e6
+
+    def attention_table(self, device) -> list[list[float]]:
+        """Achieved TFLOP/s of causal-free attention of 256 queries (16 heads x 128) against C keys (bf16)."""
+        torch = self.torch
+        dtype = torch.bfloat16
         heads, dim, queries = 16, 128, 256
         rows = []
         for context in ((512, 2048) if self.quick else (512, 2048, 8192)):
@@ -291,6 +311,7 @@ def build_profile(quick: bool, formats: tuple[str, ...], log=print) -> dict:
         "h2d_gbs": measured(link_gbs, "pinned host->device copy" if m.cuda else "host memory copy (stand-in)"),
         "d2h_gbs": measured(link_gbs, "pinned device->host copy" if m.cuda else "host memory copy (stand-in)"),
         "link_latency_us": measured(max(latency_us, 0.1), "16 KiB copy"),
+        "op_latency_us": measured(m.op_latency_us(device), "a mix of tiny torch ops, time / aten op count"),
         "matmul_table": gpu_matmul, "matmul_table_source": f"measured: torch on {where}; (T, TFLOP/s), 4096^2 weights",
         "attention_table": gpu_attention,
         "attention_table_source": f"measured: torch SDPA on {where}; (context, TFLOP/s)",
@@ -306,6 +327,16 @@ def run(args) -> int:
     from hybridmoe.placement.hardware import ProfileError, profile_to_json
 
     formats = tuple(f.strip().lower() for f in args.formats.split(",") if f.strip())
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        try:
+            from hybridmoe.kernels import isa
+
+            isa.configure_threads(args.threads)
+        except ImportError:
+            pass
     try:
         data = build_profile(args.quick, formats, log=lambda msg: print(msg, file=sys.stderr))
         out = Path(args.out).expanduser()

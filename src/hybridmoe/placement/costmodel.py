@@ -193,7 +193,7 @@ class CostModel:
             seconds = experts * self.expert_bytes / (interpolate(table, rows) * 1e9)
             if rows > last_t:  # beyond the table the kernel is compute-bound: time grows with T
                 seconds = experts * self.expert_bytes / (last_gbs * 1e9) * rows / last_t
-            return seconds / (self.copy_slowdown() if copying else 1.0)
+            return seconds / (self.copy_slowdown() if copying else 1.0) + self.dispatch_s
         return self.cpu_matmul_s(w * experts, pairs / experts, self.expert_fmt, copying) + self.dispatch_s
 
     def cpu_attention_s(self, queries: int, context_before: int, sequences: int = 1) -> float:
