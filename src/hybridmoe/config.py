@@ -77,6 +77,15 @@ class QuantConfig:
 
 
 @dataclass(frozen=True)
+class ExpertQuantConfig:
+    """Routed experts stored as int4/int8 per group (written by `hybridmoe quantize`)."""
+
+    method: str  # "int4" | "int8"
+    group_size: int  # 32 | 128 columns per scale
+    scale_dtype: str = "bfloat16"  # "bfloat16" | "float16"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     model_type: str
@@ -94,6 +103,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     quantization: QuantConfig | None = None
+    expert_quantization: ExpertQuantConfig | None = None
     num_nextn_predict_layers: int = 0  # DeepSeek multi-token-prediction layers (not used for inference)
     torch_dtype: str = "bfloat16"
     source: str = ""  # path of the config.json this came from
@@ -251,6 +261,18 @@ def _quant(f: _Fields) -> QuantConfig | None:
                        modules_to_not_convert=tuple(q.get("modules_to_not_convert") or ()))
 
 
+def _expert_quant(f: _Fields) -> ExpertQuantConfig | None:
+    q = f.raw.get("expert_quantization")
+    if not q:
+        return None
+    if not isinstance(q, dict):
+        raise f.error("expert_quantization", "must be an object")
+    sub = _Fields(q, f"{f.source} (expert_quantization)")
+    return ExpertQuantConfig(method=sub.choice("method", ("int4", "int8")),
+                             group_size=int(sub.choice("group_size", (32, 128))),
+                             scale_dtype=sub.choice("scale_dtype", ("bfloat16", "float16"), "bfloat16"))
+
+
 def _common(f: _Fields, arch: str) -> dict[str, Any]:
     return dict(
         architecture=arch,
@@ -265,6 +287,7 @@ def _common(f: _Fields, arch: str) -> dict[str, Any]:
         bos_token_id=f.raw.get("bos_token_id"),
         eos_token_ids=_eos_ids(f),
         quantization=_quant(f),
+        expert_quantization=_expert_quant(f),
         torch_dtype=str(f.raw.get("torch_dtype") or f.raw.get("dtype") or "bfloat16"),
         source=f.source,
         raw=f.raw,

@@ -50,9 +50,11 @@ class WeightLoader:
     def experts(self, names: Iterable[tuple[str, str, str]], inter: int, hidden: int) -> ExpertWeights:
         """Routed experts from (gate, up, down) weight names per expert.
 
-        FP8 experts stay FP8 (with their block scales); float experts are kept as stored when that is the
-        compute dtype (zero-copy), else converted.
+        FP8 experts stay FP8 (with their block scales) and int4/int8 experts stay packed (with their group
+        scales); float experts are kept as stored when that is the compute dtype (zero-copy), else converted.
         """
+        if self.config.expert_quantization is not None:
+            return self._int_experts(names, inter, hidden)
         gate, up, down, scales = [], [], [], ([], [], [])
         fmt = None
         for triple in names:
@@ -72,6 +74,24 @@ class WeightLoader:
         if fmt == "fp8":
             return ExpertWeights("fp8", gate, up, down, *scales, block_size=self.block)
         return ExpertWeights("dense", gate, up, down)
+
+    def _int_experts(self, names: Iterable[tuple[str, str, str]], inter: int, hidden: int) -> ExpertWeights:
+        """int4/int8 per-group experts as written by `hybridmoe quantize` (layout in kernels.formats)."""
+        quant = self.config.expert_quantization
+        group, fmt = quant.group_size, quant.method
+        data_dtype, per_byte = (torch.uint8, 2) if fmt == "int4" else (torch.int8, 1)
+        scale_dtype = torch.bfloat16 if quant.scale_dtype == "bfloat16" else torch.float16
+        parts: tuple[list, ...] = ([], [], [], [], [], [])  # gate, up, down, and their scales
+        for triple in names:
+            for proj, (name, (rows, cols)) in enumerate(zip(triple, ((inter, hidden), (inter, hidden), (hidden, inter)))):
+                padded = -(-cols // group) * group
+                parts[proj].append(self.reader.get_checked(name, (rows, padded // per_byte), (data_dtype,)))
+                scale_name = name + "_scale"
+                if scale_name not in self.reader:
+                    raise CheckpointError(f"{self.reader.entry(name).file}: {fmt} tensor {name!r} has no {scale_name!r}")
+                parts[3 + proj].append(self.reader.get_checked(scale_name, (rows, padded // group), (scale_dtype,)))
+                self.used.update((name, scale_name))
+        return ExpertWeights(fmt, *parts)
 
     def _scale(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         scale_name = name + SCALE_SUFFIX

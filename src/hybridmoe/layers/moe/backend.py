@@ -23,9 +23,12 @@ class ExpertWeights:
     fmt "dense": gate/up [I, H] and down [H, I] per expert in a float dtype (bf16/fp16/fp32).
     fmt "fp8":   the same shapes in float8_e4m3fn with float32 `*_scale` per block (DeepSeek-V3's
                  `weight_scale_inv`): gate/up scales [ceil(I/b0), ceil(H/b1)], down [ceil(H/b0), ceil(I/b1)].
+    fmt "int4" / "int8": symmetric per-group codes over the input columns padded to whole groups of g
+                 (hybridmoe.kernels.formats): int4 uint8 [rows, Kp/2] (two codes a byte), int8 int8 [rows, Kp];
+                 `*_scale` bf16/fp16 [rows, Kp/g]. Rows are I for gate/up and H for down.
     """
 
-    fmt: str  # "dense" | "fp8"
+    fmt: str  # "dense" | "fp8" | "int4" | "int8"
     gate: list[torch.Tensor]  # E x [I, H]
     up: list[torch.Tensor]  # E x [I, H]
     down: list[torch.Tensor]  # E x [H, I]
@@ -40,7 +43,7 @@ class ExpertWeights:
 
     @property
     def hidden_size(self) -> int:
-        return self.gate[0].shape[1]
+        return self.down[0].shape[0]
 
     @property
     def intermediate_size(self) -> int:

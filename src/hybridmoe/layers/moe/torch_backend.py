@@ -1,7 +1,7 @@
 """The plain-torch ExpertBackend: routed experts grouped by expert (one matmul per active expert).
 
-Used where no faster backend applies, and as the reference the CPU kernels are checked against. FP8 experts
-are dequantised per call, only for the experts that tokens were routed to.
+Used where no faster backend applies, and as the reference the CPU kernels are checked against. FP8 and
+int4/int8 experts are dequantised per call, only for the experts that tokens were routed to.
 
 Legend: T tokens, H hidden, K top-k, I expert intermediate, A (token, expert) assignments = T*K.
 """
@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.checkpoint.fp8 import dequantize_fp8
+from hybridmoe.kernels.formats import dequantize_int
 from hybridmoe.layers.moe.backend import ExpertWeights
 
 
@@ -50,4 +51,8 @@ class TorchExpertBackend:
         if w.fmt == "fp8":
             return tuple(dequantize_fp8(q[e], s[e], w.block_size, self.dtype)
                          for q, s in ((w.gate, w.gate_scale), (w.up, w.up_scale), (w.down, w.down_scale)))
+        if w.fmt in ("int4", "int8"):
+            cols = (w.hidden_size, w.hidden_size, w.intermediate_size)
+            return tuple(dequantize_int(w.fmt, q[e], s[e], k).to(self.dtype) for q, s, k in
+                         zip((w.gate, w.up, w.down), (w.gate_scale, w.up_scale, w.down_scale), cols))
         raise ValueError(f"TorchExpertBackend: unsupported expert weight format {w.fmt!r}")
