@@ -198,8 +198,11 @@ def bench_shape(name: str, fmts: list[str], quick: bool, bandwidth: float, peak:
     results = []
     for fmt in fmts:
         pool = bf16_pool if fmt == "bf16" else ExpertPool(fmt, hidden, inter, num_experts, pool_bytes, source)
+        # the kernels first, then torch: torch's OpenMP threads keep spinning a while after each call
+        kernel_seconds = {t: _median_time(lambda h, i, w: pool.moe(h, i, w), routing[t], hid[t])
+                          for t in tokens_list}
         for t in tokens_list:
-            seconds = _median_time(lambda h, i, w: pool.moe(h, i, w), routing[t], hid[t])
+            seconds = kernel_seconds[t]
             active = float(np.mean([ids.unique().numel() for ids, _ in routing[t][1:]]))
             dequant, estimated = _dequant_time(pool, routing[t], hid[t], torch_bf16[t] if fmt == "bf16" else None,
                                                DEQUANT_MAX_EXPERTS[quick], 1 if quick else 2)

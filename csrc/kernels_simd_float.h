@@ -1,0 +1,289 @@
+// Float-format matmul kernels (f32, bf16, f16, fp8 block-scaled) of kernels_simd.h: register tiles, the GEMV
+// path over whole rows and the tiled GEMM path over decoded panels.
+//
+// Legend: M tokens, K input features, R rows per register tile, MT tokens per register tile, W vector lanes.
+#pragma once
+
+#include "kernels_simd_common.h"
+
+namespace hm {
+namespace {
+// acc[i][j] += sum over k in [k0, k1) of W[row i][k] * x[token j][k]. kPadded: rows readable (zero) up to a
+// multiple of W; else the last partial vector is copied into a zero-padded buffer (x is zero-padded always).
+template <class V, WFormat F, bool kPadded, int R, int MT>
+inline void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* const* xr,
+                       typename V::F (&acc)[R][MT]) {
+  constexpr int W = V::W;
+  constexpr I64 B = bytes_per_weight<F>();
+  I64 k = k0;
+  for (; k + W <= k1 || (kPadded && k < k1); k += W) {
+    for (int i = 0; i < R; ++i) {
+      const typename V::F w = decode<V, F>(rowp[i] + k * B);
+      for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xr[j] + k), acc[i][j]);
+    }
+  }
+  if (!kPadded && k < k1) {
+    alignas(64) uint8_t tail[W * B];
+    for (int i = 0; i < R; ++i) {
+      std::memset(tail, 0, sizeof(tail));
+      std::memcpy(tail, rowp[i] + k * B, static_cast<size_t>((k1 - k) * B));
+      const typename V::F w = decode<V, F>(tail);
+      for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xr[j] + k), acc[i][j]);
+    }
+  }
+}
+
+template <class V, int R, int MT>
+inline void zero_and_finish(typename V::F (&acc)[R][MT], float (*out)[MT], bool finish) {
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < MT; ++j) {
+      if (finish) out[i][j] = V::hsum(acc[i][j]);
+      else acc[i][j] = V::zero();
+    }
+}
+
+// out[i][j] = sum over k in [0, n) of W[row i][k] * x[token j][k].
+template <class V, WFormat F, bool kPadded, int R, int MT>
+inline void fp_tile(const uint8_t* const* rowp, I64 n, const float* const* xr, float (&out)[R][MT]) {
+  typename V::F acc[R][MT];
+  zero_and_finish<V, R, MT>(acc, out, false);
+  accumulate<V, F, kPadded, R, MT>(rowp, 0, n, xr, acc);
+  zero_and_finish<V, R, MT>(acc, out, true);
+}
+
+// The fp8 tile of the GEMV path: per column block, the 3-operation decode against x scaled for it, or, where a
+// row of the tile has a subnormal code in the block, the exact decode against x scaled for that (both give
+// products * 2^-16; x_fast == nullptr: exact everywhere).
+template <class V, int R, int MT>
+inline void fp8_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows, const float* const* xfast,
+                     const float* const* xexact, float (&out)[R][MT]) {
+  typename V::F acc[R][MT];
+  zero_and_finish<V, R, MT>(acc, out, false);
+  uint8_t flags = 0;
+  for (int i = 0; i < R; ++i) flags |= w.row_flags[rows[i]];
+  if (xfast && !(flags & kRowHasSubnormal)) {  // the common case: whole rows in one loop
+    accumulate<V, kFp8Normal, false, R, MT>(rowp, 0, w.cols, xfast, acc);
+    zero_and_finish<V, R, MT>(acc, out, true);
+    return;
+  }
+  for (I64 k0 = 0, kb = 0; k0 < w.cols; k0 += w.block_cols, ++kb) {
+    const I64 k1 = imin(w.cols, k0 + w.block_cols);
+    bool exact = xfast == nullptr;
+    for (int i = 0; i < R; ++i) exact |= block_has_subnormal(w, rows[i], kb);
+    if (exact) accumulate<V, WFormat::FP8, false, R, MT>(rowp, k0, k1, xexact, acc);
+    else accumulate<V, kFp8Normal, false, R, MT>(rowp, k0, k1, xfast, acc);
+  }
+  zero_and_finish<V, R, MT>(acc, out, true);
+}
+
+// y[(m + j) * ldy + row0 + i] (+)= out[i][j] for the tile's valid rows.
+template <int R, int MT>
+inline void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_rows, bool first, const float (&out)[R][MT],
+                       float scale = 1.0f) {
+  for (int i = 0; i < R && i < valid_rows; ++i)
+    for (int j = 0; j < MT; ++j) {
+      float& dst = y[(m + j) * ldy + row0 + i];
+      dst = first ? out[i][j] * scale : dst + out[i][j] * scale;
+    }
+}
+
+// All token tiles of one 4-row tile: y rows [row0, row0 + valid) (+)= W4 [k0, k0 + n) . x[m][k0, k0 + n).
+template <class V, WFormat F, bool kPadded>
+inline void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const float* const* xrows, I64 M, I64 k0,
+                                float* y, I64 ldy, I64 row0, I64 valid, bool first, float scale = 1.0f) {
+  I64 m = 0;
+  for (; m + 2 <= M; m += 2) {  // 4 rows x 2 tokens: each x vector feeds 4 FMAs (x streams from L2)
+    const float* xr[2] = {xrows[m] + k0, xrows[m + 1] + k0};
+    float o[4][2];
+    fp_tile<V, F, kPadded, 4, 2>(rowp, n, xr, o);
+    store_tile<4, 2>(y, ldy, m, row0, valid, first, o, scale);
+  }
+  if (m < M) {
+    const float* xr[1] = {xrows[m] + k0};
+    float o[4][1];
+    fp_tile<V, F, kPadded, 4, 1>(rowp, n, xr, o);
+    store_tile<4, 1>(y, ldy, m, row0, valid, first, o, scale);
+  }
+}
+
+// All token tiles of one 4-row fp8 tile (see fp8_tile); rows[i] are the tile's row indices.
+template <class V>
+inline void fp8_row_tile_all_tokens(const Matrix& w, const uint8_t* const* rowp, const I64* rows,
+                                    const float* const* xfast, const float* const* xexact, I64 M, float* y, I64 ldy,
+                                    I64 row0, I64 valid) {
+  I64 m = 0;
+  for (; m + 2 <= M; m += 2) {
+    const float* xf[2] = {xfast ? xfast[m] : nullptr, xfast ? xfast[m + 1] : nullptr};
+    const float* xe[2] = {xexact[m], xexact[m + 1]};
+    float o[4][2];
+    fp8_tile<V, 4, 2>(w, rowp, rows, xfast ? xf : nullptr, xe, o);
+    store_tile<4, 2>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
+  }
+  if (m < M) {
+    const float* xf[1] = {xfast ? xfast[m] : nullptr};
+    const float* xe[1] = {xexact[m]};
+    float o[4][1];
+    fp8_tile<V, 4, 1>(w, rowp, rows, xfast ? xf : nullptr, xe, o);
+    store_tile<4, 1>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
+  }
+}
+
+// Rows holding an fp8 NaN code give NaN for every token (as dequantise-then-matmul would).
+inline void set_nan_rows(const Matrix& w, I64 r0, I64 r1, I64 M, float* y, I64 ldy) {
+  for (I64 r = r0; r < r1; ++r)
+    if (w.row_flags[r] & kRowHasNan)
+      for (I64 m = 0; m < M; ++m) y[m * ldy + r - r0] = NAN;
+}
+
+// Scales x's rows by the fp8 block scales of one row block times `unscale` into dst (M rows of ldx); false
+// when a product overflowed float32.
+inline bool scale_activations(const Matrix& w, const float* srow, const Activations& x, float unscale, float* dst,
+                              const float** rows) {
+  const I64 K = w.cols;
+  bool finite = true;
+  for (I64 m = 0; m < x.m; ++m) {
+    float* out = dst + m * x.ldx;
+    const float* src = x_row(x, m);
+    for (I64 kb = 0; kb < K; kb += w.block_cols) {
+      const float s = srow[kb / w.block_cols] * unscale;
+      for (I64 k = kb; k < imin(K, kb + w.block_cols); ++k) {
+        out[k] = src[k] * s;
+        finite &= !__builtin_isinf(out[k]) || __builtin_isinf(src[k]);
+      }
+    }
+    for (I64 k = K; k < x.ldx; ++k) out[k] = 0.0f;
+    rows[m] = out;
+  }
+  return finite;
+}
+
+// The end of the segment of rows starting at r that share one fp8 scale row (rows of one row block).
+inline I64 segment_end(const Matrix& w, I64 r, I64 re) {
+  return w.fmt == WFormat::FP8 ? imin(re, (r / w.block_rows + 1) * w.block_rows) : re;
+}
+
+constexpr I64 kMaxTokensGemv = kGemmMinTokens;  // token pointers the GEMV path keeps on the stack
+
+// GEMV path: whole rows, tiles of 4 rows. fp8 block scales are folded into a copy of the few tokens'
+// activations per row block, so the inner loop is decode + FMA; column blocks without subnormal codes use the
+// 3-operation decode (activations scaled by 2^104 more, outputs by 2^16), the others the exact one (their
+// activation copy is made when first needed).
+template <class V, WFormat F>
+void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
+  const I64 K = w.cols, M = x.m;
+  const float* xrows[kMaxTokensGemv];
+  const float* exact_rows[kMaxTokensGemv] = {};
+  for (I64 m = 0; m < M; ++m) xrows[m] = x_row(x, m);
+  if constexpr (F != WFormat::FP8) {
+    for (I64 r = r0; r < r1; r += 4) {
+      const uint8_t* rowp[4];
+      for (int i = 0; i < 4; ++i) rowp[i] = w.data + imin(r + i, r1 - 1) * w.row_bytes;  // short tile: repeat
+      row_tile_all_tokens<V, F, false>(rowp, K, xrows, M, 0, y, ldy, r - r0, imin(4, r1 - r), true);
+    }
+    return;
+  }
+  float* scaled = scratch_floats(2 * M * x.ldx);
+  for (I64 s0 = r0; s0 < r1;) {
+    const I64 s1 = segment_end(w, s0, r1);
+    const float* srow = static_cast<const float*>(w.scales) + (s0 / w.block_rows) * w.scale_stride;
+    const bool fast = scale_activations(w, srow, x, kFp8NormalUnscale, scaled, xrows);
+    bool exact_ready = false;
+    for (I64 r = s0; r < s1; r += 4) {
+      const uint8_t* rowp[4];
+      I64 rows[4];
+      uint8_t flags = 0;
+      for (int i = 0; i < 4; ++i) {
+        rows[i] = imin(r + i, s1 - 1);  // a short tile repeats its last row (not stored)
+        rowp[i] = w.data + rows[i] * w.row_bytes;
+        flags |= w.row_flags[rows[i]];
+      }
+      const bool need_exact = !fast || (flags & kRowHasSubnormal);
+      if (need_exact && !exact_ready) {
+        scale_activations(w, srow, x, kFp8ExactUnscale, scaled + M * x.ldx, exact_rows);
+        exact_ready = true;
+      }
+      fp8_row_tile_all_tokens<V>(w, rowp, rows, fast ? xrows : nullptr, exact_rows, M, y, ldy, r - r0,
+                                 imin(4, s1 - r));
+    }
+    s0 = s1;
+  }
+  set_nan_rows(w, r0, r1, M, y, ldy);
+}
+
+// dst[k] = decode(src[k]) * s for k in [kb, ke) (a partial last vector through a zero-padded copy).
+template <class V, WFormat F>
+inline void decode_store(const uint8_t* src, float* dst, I64 kb, I64 ke, typename V::F s) {
+  constexpr int W = V::W;
+  constexpr I64 B = bytes_per_weight<F>();
+  I64 k = kb;
+  for (; k + W <= ke; k += W) V::store(dst + k, V::mul(decode<V, F>(src + k * B), s));
+  if (k < ke) {
+    alignas(64) uint8_t tail[W * B];
+    std::memset(tail, 0, sizeof(tail));
+    std::memcpy(tail, src + k * B, static_cast<size_t>((ke - k) * B));
+    V::store(dst + k, V::mul(decode<V, F>(tail), s));
+  }
+}
+
+// GEMM path: K in chunks whose activations stay in L2; each 4-row tile's chunk is decoded once (scales
+// applied) into a float32 panel in L1, then every token tile runs FMA-only register tiles over it. Float32
+// weights are read in place.
+template <class V, WFormat F>
+void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
+  constexpr int W = V::W;
+  constexpr I64 B = bytes_per_weight<F>();
+  const I64 K = w.cols, M = x.m;
+  const float** xrows = scratch_pointers(M);
+  for (I64 m = 0; m < M; ++m) xrows[m] = x_row(x, m);
+  const I64 bc = F == WFormat::FP8 ? w.block_cols : kGemmChunkK;
+  const I64 kc = bc * imax(1, kGemmChunkK / bc);
+  const I64 panel_ld = (kc + W - 1) / W * W;
+  float* panel = scratch_floats(4 * panel_ld);
+  const float* scales = static_cast<const float*>(w.scales);
+  for (I64 rb = r0; rb < r1; rb += kRowBlock) {
+    const I64 re = imin(rb + kRowBlock, r1);
+    for (I64 k0 = 0; k0 < K; k0 += kc) {
+      const I64 n = imin(kc, K - k0);
+      for (I64 r = rb; r < re; r += 4) {
+        const uint8_t* rowp[4];
+        for (int i = 0; i < 4; ++i) {
+          const I64 ri = imin(r + i, re - 1);  // a short tile repeats its last row (not stored)
+          const uint8_t* src = w.data + ri * w.row_bytes + k0 * B;
+          if constexpr (F == WFormat::F32) {
+            rowp[i] = src;
+            continue;
+          }
+          float* dst = panel + i * panel_ld;
+          if constexpr (F == WFormat::FP8) {
+            const float* srow = scales + (ri / w.block_rows) * w.scale_stride;
+            for (I64 kb = 0; kb < n; kb += bc) {
+              const float s = srow[(k0 + kb) / bc];
+              if (block_has_subnormal(w, ri, (k0 + kb) / bc))
+                decode_store<V, F>(src, dst, kb, imin(n, kb + bc), V::set1(s * 0x1p8f));
+              else
+                decode_store<V, kFp8Normal>(src, dst, kb, imin(n, kb + bc), V::set1(s * 0x1p120f));
+            }
+          } else {
+            decode_store<V, F>(src, dst, 0, n, V::set1(1.0f));
+          }
+          for (I64 k = n; k < (n + W - 1) / W * W; ++k) dst[k] = 0.0f;
+          rowp[i] = reinterpret_cast<const uint8_t*>(dst);
+        }
+        if constexpr (F == WFormat::F32)
+          row_tile_all_tokens<V, WFormat::F32, false>(rowp, n, xrows, M, k0, y, ldy, r - r0, imin(4, re - r), k0 == 0);
+        else
+          row_tile_all_tokens<V, WFormat::F32, true>(rowp, n, xrows, M, k0, y, ldy, r - r0, imin(4, re - r), k0 == 0);
+      }
+    }
+  }
+  if constexpr (F == WFormat::FP8) set_nan_rows(w, r0, r1, M, y, ldy);
+}
+
+template <class V, WFormat F>
+void matmul_fp(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
+  if (!gemm && x.m <= kMaxTokensGemv) return matmul_fp_gemv<V, F>(w, r0, r1, x, y, ldy);
+  return matmul_fp_gemm<V, F>(w, r0, r1, x, y, ldy);
+}
+
+}  // namespace
+}  // namespace hm
