@@ -27,7 +27,7 @@ def test_plan_prints_a_table_and_writes_json(tmp_path, capsys):
         assert words in text
     data = json.loads(out.read_text())
     assert data["budget_bytes"] == 12e9 and data["resident_bytes"] <= 12e9 and data["expert_format"] == "int4"
-    assert [c["prompt_tokens"] for c in data["prefill"]] == [1024, 8192]
+    assert [c["prompt_tokens"] for c in data["prefill"]] == [1024, 8192, 32768]  # up to the default context
 
 
 def test_plan_from_a_model_directory(tmp_path, capsys):
@@ -88,3 +88,32 @@ def test_profile_then_plan_with_it(tmp_path, capsys):
     assert main(["plan", "--model", "qwen3-30b-a3b", "--vram", "4GB", "--profile", str(out),
                  "--experts", "fp8", "--context", "2048"]) == 0
     assert "What goes where" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_measured_routing_picks_the_hot_experts(tmp_path, capsys):
+    """`profile --routing-model` counts the demo model's expert choices; the planner pins the most used first."""
+    import numpy as np
+
+    from hybridmoe.checkpoint.default_model import default_model_dir
+    from hybridmoe.placement.hardware import machine
+    from hybridmoe.placement.modelspec import ModelSpec, resolve_model
+    from hybridmoe.placement.planner import Planner
+    from hybridmoe.placement.routing import RoutingStats
+
+    model, out = str(default_model_dir()), tmp_path / "routing.json"
+    assert main(["profile", "--routing-model", model, "--out", str(out)]) == 0
+    stats = RoutingStats.from_json(out)
+    assert stats.measured and stats.probs.std() > 0.05  # a trained router is far from uniform
+    spec = ModelSpec(resolve_model(model))
+    roomy = Planner(spec, machine("rtx4090,desktop-2ch"), 24e9, context=256, routing=stats)
+    held = sum(i.nbytes for i in roomy.items if i.resident and i.kind != "expert")
+    three = Planner(spec, machine("rtx4090,desktop-2ch"), held + 3.5 * roomy.cost.expert_bytes, context=256,
+                    routing=stats)
+    pinned = {(row, e) for row, experts in enumerate(three.residency.hot) for e in experts}
+    top3 = sorted(((stats.probs[r, e], r, e) for r in range(len(stats.layers)) for e in range(stats.num_experts)),
+                  key=lambda t: (-t[0], t[1], t[2]))[:3]
+    assert pinned == {(r, e) for _, r, e in top3}
+    assert main(["plan", "--model", model, "--vram", "4GB", "--hardware", "rtx4090,desktop-2ch",
+                 "--routing", str(out), "--context", "256"]) == 0
+    assert "uniform" not in capsys.readouterr().out and np.isfinite(stats.probs).all()

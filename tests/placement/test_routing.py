@@ -49,7 +49,8 @@ def test_excluded_experts_are_not_counted_and_fractions_add_up():
     hot = np.array([True, False, False, False])
     assert stats.routed_fraction(0, hot) == pytest.approx(0.5)
     whole = stats.expected_distinct(0, 5)
-    assert stats.expected_distinct(0, 5, exclude=hot) + stats.expected_distinct(0, 5, exclude=~hot) == pytest.approx(whole)
+    parts = stats.expected_distinct(0, 5, exclude=hot) + stats.expected_distinct(0, 5, exclude=~hot)
+    assert parts == pytest.approx(whole)
     assert stats.expected_distinct(0, 5, exclude=hot) < whole
 
 

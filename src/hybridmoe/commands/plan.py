@@ -57,7 +57,8 @@ def register(subparsers) -> None:
     p.add_argument("--gpus", type=int, help="number of GPUs of that kind (stream-loading uses all)")
     p.add_argument("--experts", help="format of the routed experts (fp8, int4, int8, bf16; default: the model's)")
     p.add_argument("--dense", help="format of the other weights (default: the model's)")
-    p.add_argument("--context", type=int, default=8192, help="context length to reserve KV cache for")
+    p.add_argument("--context", type=int, default=32768,
+                   help="context length to reserve KV cache for (default 32768; TTFT is predicted up to it)")
     p.add_argument("--concurrency", type=int, default=1, help="sequences decoding at once")
     p.add_argument("--tiers", help="decode batch tiers, e.g. 1,4,16 (default: 1 and --concurrency)")
     p.add_argument("--routing", help="routing statistics JSON measured on sample prompts (hot experts)")

@@ -1,4 +1,6 @@
 """`hybridmoe profile [--out FILE]`: measure this machine and save a versioned hardware profile.
+(`--routing-model DIR --out FILE` instead counts the model's expert choices on sample prompts, for
+`hybridmoe plan --routing FILE`: the hot experts the planner pins.)
 
 Measures, each with a short timed loop (best of a few repeats, working sets larger than the last-level cache):
 CPU memory read bandwidth; the CPU expert kernels (the C++ kernels when importable, else torch matmul, and the
@@ -12,7 +14,6 @@ Legend: T tokens per expert, H hidden, I expert intermediate, E experts.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -34,6 +35,9 @@ def register(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="smaller working sets and fewer repeats (less exact)")
     p.add_argument("--formats", default="fp8,int4,bf16", help="expert formats to measure (default fp8,int4,bf16)")
     p.add_argument("--threads", type=int, help="threads for torch and the kernels (default: all CPUs)")
+    p.add_argument("--routing-model", metavar="DIR",
+                   help="instead: count which experts this model routes sample prompts to (for plan --routing)")
+    p.add_argument("--prompts", metavar="FILE", help="sample prompts for --routing-model, one per line")
     p.set_defaults(func=run)
 
 
@@ -289,7 +293,8 @@ def build_profile(quick: bool, formats: tuple[str, ...], log=print) -> dict:
     }
     device = m.device
     if stand_in:
-        gpu_matmul, gpu_attention, memory_gb, mem_gbs = cpu_matmul, cpu_attention, cpu_section["memory_gb"]["value"], read
+        gpu_matmul, gpu_attention, mem_gbs = cpu_matmul, cpu_attention, read
+        memory_gb = cpu_section["memory_gb"]["value"]
     else:
         log("accelerator matmul and attention ...")
         gpu_matmul = {k: m.matmul_table(k, device) for k in ("fp32", "bf16")}
@@ -323,8 +328,52 @@ def build_profile(quick: bool, formats: tuple[str, ...], log=print) -> dict:
             "references": {}, "cpu": cpu_section, "gpu": gpu_section}
 
 
+SAMPLE_PROMPTS = (
+    "Explain how a mixture-of-experts language model decides which experts process each token.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
+    "Write a short letter to a neighbour about the noise from the garden party last weekend.",
+    "Translate into French: the train leaves at seven, so we should be at the station by half past six.",
+    "List the planets of the solar system with one fact about each.",
+)
+
+
+def measure_routing(model_dir: str, prompts: list[str]):
+    """Prefill `prompts` through the engine and count each MoE layer's top-k expert choices."""
+    import numpy as np
+
+    from hybridmoe import LLM, SamplingParams
+    from hybridmoe.placement.routing import RoutingStats
+
+    llm = LLM(model_dir)
+    chosen: dict[int, list] = {}
+    for index, layer in enumerate(llm.engine.model.layers):
+        router = getattr(layer.mlp, "router", None)
+        if router is None:
+            continue
+        route = router.route
+
+        def recording(x, route=route, index=index):
+            ids, weights = route(x)  # [T, K], [T, K]
+            chosen.setdefault(index, []).append(ids.cpu().numpy())
+            return ids, weights
+
+        router.route = recording
+    llm.generate(prompts, SamplingParams(max_tokens=1))
+    ids = {index: np.concatenate(parts) for index, parts in chosen.items()}
+    return RoutingStats.from_topk_ids(ids, llm.engine.model_config.moe.num_experts)
+
+
 def run(args) -> int:
     from hybridmoe.placement.hardware import ProfileError, profile_to_json
+
+    if args.routing_model:
+        prompts = (Path(args.prompts).read_text().splitlines() if args.prompts else list(SAMPLE_PROMPTS))
+        prompts = [p for p in prompts if p.strip()]
+        out = Path(args.out).expanduser()
+        stats = measure_routing(args.routing_model, prompts)
+        stats.to_json(out, model=str(args.routing_model))
+        print(f"wrote {out}: routing of {stats.tokens} prompt tokens over {len(stats.layers)} MoE layers")
+        return 0
 
     formats = tuple(f.strip().lower() for f in args.formats.split(",") if f.strip())
     if args.threads:

@@ -178,7 +178,8 @@ class CostModel:
             return 0.0
         work = 2.0 * weights * tokens if flops is None else flops
         memory = fmt.nbytes(weights) / self.cpu_bandwidth(copying)
-        unpack = weights / (self.cpu.decode_gweights_s[fmt.name] * 1e9) if fmt.name in self.cpu.decode_gweights_s else 0.0
+        rate = self.cpu.decode_gweights_s.get(fmt.name)
+        unpack = weights / (rate * 1e9) if rate else 0.0
         return max(memory, unpack + work / (self.cpu.peak_tflops * 1e12 * self.cpu.matmul_efficiency))
 
     def cpu_experts_s(self, experts: float, pairs: float, copying: bool = False) -> float:

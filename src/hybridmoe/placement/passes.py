@@ -102,15 +102,15 @@ class PassBuilder:
         resident = gpu and self.res.attention[layer]
         key = (queries, context, sequences, gpu, resident, share)
         if key not in self._attention_cache:
+            cpu_s = c.cpu_attention_s(queries, context, sequences) if not resident else 0.0
+            gpu_s = c.gpu_attention_s(queries, context, sequences) * share if gpu else 0.0
             if not gpu:
-                self._attention_cache[key] = (Unit("attention", 0, cpu_s=c.cpu_attention_s(queries, context, sequences)), "cpu")
+                self._attention_cache[key] = (Unit("attention", 0, cpu_s=cpu_s), "cpu")
             elif resident:
-                gpu_s = c.gpu_attention_s(queries, context, sequences) * share
                 self._attention_cache[key] = (Unit("attention", 0, gpu_s=gpu_s), "gpu")
             else:
-                self._attention_cache[key] = self._offloaded(
-                    "attention", 0, c.part_bytes(layer, "attention"), c.gpu_attention_s(queries, context, sequences) * share,
-                    c.cpu_attention_s(queries, context, sequences), queries * sequences)
+                self._attention_cache[key] = self._offloaded("attention", 0, c.part_bytes(layer, "attention"), gpu_s,
+                                                             cpu_s, queries * sequences)
         unit, where = self._attention_cache[key]
         return replace(unit, layer=layer), where
 

@@ -97,12 +97,6 @@ class Plan:
     def resident_bytes(self) -> float:
         return sum(i.nbytes for i in self.items if i.resident)
 
-    def tier(self, batch: int) -> TierPlan:
-        for t in self.tiers:
-            if t.batch == batch:
-                return t
-        raise KeyError(f"no tier for batch {batch}; tiers: {[t.batch for t in self.tiers]}")
-
     @property
     def decode_tok_s(self) -> float:
         """Tokens per second of one sequence decoding alone (tier 1)."""
@@ -112,7 +106,8 @@ class Plan:
 def priority_items(cost: CostModel, context: int, concurrency: int, tiers: tuple[int, ...]) -> list[Item]:
     """Items 1-6 in priority order (see module docstring); `resident` is filled in by `fill`."""
     spec = cost.spec
-    scratch = max(spec.activation_bytes(max(tiers), context), spec.activation_bytes(min(HYBRID_CHUNK, context), context))
+    scratch = max(spec.activation_bytes(max(tiers), context),
+                  spec.activation_bytes(min(HYBRID_CHUNK, context), context))
     items = [Item("runtime reserve", "reserve", None, cost.gpu.reserved_gb * GB if cost.gpu else 0.0, False),
              Item(f"KV cache ({context} tokens x {concurrency})", "kv", None,
                   float(context * concurrency * spec.kv_bytes_per_token()), False),
@@ -220,7 +215,8 @@ class Planner:
         tiers = tuple(_tier(builder, b, self.context) for b in self.tiers)
         prefill = tuple(self._prefill_choice(p) for p in REPORT_PROMPTS if p <= self.context)
         crossover = self._crossover() if cost.gpu else None
-        notes = []
+        notes = [f"{p}-token prompts exceed the context of {self.context}: not predicted"
+                 for p in REPORT_PROMPTS if p > self.context]
         if not cost.routing.measured and spec.moe_layers:
             notes.append("routing statistics: uniform (none measured); hot experts are an arbitrary pick")
         return Plan(spec.name, self.machine.name, cost.expert_fmt.name, cost.dense_fmt.name, self.budget,
