@@ -13,7 +13,8 @@ from hybridmoe.runtime.sampling_params import SamplingParams
 
 def add_model_arguments(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
     parser.add_argument("--model", required=model_required, help="Hugging Face model directory (local)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                        help="compute dtype (auto: bfloat16 where the hardware has it natively, else float32)")
     parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
     parser.add_argument("--expert-backend", default="cpu", choices=["cpu", "torch"],
                         help="routed experts on the C++ CPU kernels (default) or the plain-torch reference")

@@ -14,7 +14,7 @@ DEMO_PROMPTS = ["The history of the computer", "Q: What is the capital of France
 def register(subparsers) -> None:
     parser = subparsers.add_parser("demo", help="generate with the embedded default model and report speed")
     parser.add_argument("--model", default=None, help="model directory (default: the embedded demo model)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
     parser.add_argument("--kv-cache-gb", type=float, default=0.25)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--expert-backend", default="cpu", choices=["cpu", "torch"])
@@ -27,7 +27,8 @@ def run(args) -> int:
     engine = build_engine(model_dir, args)
     cfg = engine.model_config
     print(f"architecture: {cfg.architecture}, {cfg.num_layers} layers, {cfg.moe.num_experts} experts "
-          f"(top-{cfg.moe.num_experts_per_tok}), dtype {args.dtype}", file=sys.stderr)
+          f"(top-{cfg.moe.num_experts_per_tok}), compute dtype {str(engine.model.dtype).removeprefix('torch.')}",
+          file=sys.stderr)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, repetition_penalty=1.1)
     for prompt in DEMO_PROMPTS:
         print(f"\n>>> {prompt}", end="")

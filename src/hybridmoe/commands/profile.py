@@ -346,18 +346,8 @@ def measure_routing(model_dir: str, prompts: list[str]):
 
     llm = LLM(model_dir)
     chosen: dict[int, list] = {}
-    for index, layer in enumerate(llm.engine.model.layers):
-        router = getattr(layer.mlp, "router", None)
-        if router is None:
-            continue
-        route = router.route
-
-        def recording(x, route=route, index=index):
-            ids, weights = route(x)  # [T, K], [T, K]
-            chosen.setdefault(index, []).append(ids.cpu().numpy())
-            return ids, weights
-
-        router.route = recording
+    llm.engine.model.add_routing_observer(
+        lambda index, ids: chosen.setdefault(index, []).append(ids.cpu().numpy()))  # ids [T, K]
     llm.generate(prompts, SamplingParams(max_tokens=1))
     ids = {index: np.concatenate(parts) for index, parts in chosen.items()}
     return RoutingStats.from_topk_ids(ids, llm.engine.model_config.moe.num_experts)

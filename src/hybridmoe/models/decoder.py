@@ -58,6 +58,12 @@ class MoEDecoderModel:
         self.config, self.spec, self.dtype = config, spec, dtype
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
 
+    def add_routing_observer(self, observe: Callable[[int, torch.Tensor], None]) -> None:
+        """Call observe(layer_index, topk_ids [T, K]) at every MoE layer of every forward (routing statistics)."""
+        for index, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp.routing_observers.append(lambda ids, index=index: observe(index, ids))
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache tensor."""
         return self.spec.cache_shape(self.config, num_blocks, block_size)

@@ -8,6 +8,7 @@ import torch
 
 from hybridmoe.checkpoint.safetensors_reader import CheckpointReader
 from hybridmoe.config import ModelConfig, load_config
+from hybridmoe.kernels.isa import cpu_features
 from hybridmoe.layers.moe.cpu_backend import CpuExpertBackend
 from hybridmoe.layers.moe.torch_backend import TorchExpertBackend
 from hybridmoe.models import deepseek_v3, mixtral, qwen3_moe
@@ -25,10 +26,16 @@ EXPERT_BACKENDS: dict[str, ExpertBackendFactory] = {"cpu": CpuExpertBackend, "to
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A dtype name -> torch dtype. "auto": bfloat16 where the hardware computes in it natively (a GPU, a CPU
+    with AVX512-BF16), else float32 (a CPU without bf16 units runs bf16 matmuls several times slower than
+    fp32). The compute dtype never converts routed experts: they stay in their stored format."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        native_bf16 = torch.cuda.is_available() or cpu_features().get("avx512_bf16", False)
+        return torch.bfloat16 if native_bf16 else torch.float32
     if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {list(DTYPES)}")
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {['auto', *DTYPES]}")
     return DTYPES[dtype]
 
 
@@ -38,7 +45,7 @@ def expert_backend_factory(name: str) -> ExpertBackendFactory:
     return EXPERT_BACKENDS[name]
 
 
-def load_model(model_dir: str | Path, dtype: str | torch.dtype = "bfloat16", expert_backend: str = "cpu",
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", expert_backend: str = "cpu",
                config: ModelConfig | None = None, show_progress: bool | None = None) -> MoEDecoderModel:
     backend_factory = expert_backend_factory(expert_backend)
     config = config or load_config(model_dir)

@@ -3,7 +3,7 @@
 `WeightLoader.dense(name, shape)` returns a tensor in the model's compute dtype: a zero-copy view of the
 mapped checkpoint when the stored dtype already matches, a converted copy otherwise, and an exact block
 dequantisation for FP8 tensors that carry a `weight_scale_inv`. `WeightLoader.experts(...)` keeps routed
-experts as stored (FP8 stays FP8 for the CPU kernels) unless a float dtype conversion is asked for.
+experts as stored (FP8 stays FP8 for the CPU kernels, BF16 stays BF16 under a float32 compute dtype).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class WeightLoader:
     def experts(self, names: Iterable[tuple[str, str, str]], inter: int, hidden: int) -> ExpertWeights:
         """Routed experts from (gate, up, down) weight names per expert.
 
-        FP8 experts stay FP8 (with their block scales) and int4/int8 experts stay packed (with their group
-        scales); float experts are kept as stored when that is the compute dtype (zero-copy), else converted.
+        Experts stay as stored, zero-copy, whatever the compute dtype: FP8 with its block scales, int4/int8
+        packed with their group scales, BF16/FP16/FP32 as they are (the backends convert on the fly).
         """
         if self.config.expert_quantization is not None:
             return self._int_experts(names, inter, hidden)
@@ -68,8 +68,6 @@ class WeightLoader:
                 fmt = this_fmt
                 if fmt == "fp8":
                     scales[proj].append(self._scale(name, shape))
-                elif tensor.dtype != self.dtype:
-                    tensor = tensor.to(self.dtype)
                 (gate, up, down)[proj].append(tensor)
         if fmt == "fp8":
             return ExpertWeights("fp8", gate, up, down, *scales, block_size=self.block)

@@ -30,7 +30,7 @@ from hybridmoe.runtime.tokenizer import load_tokenizer
 
 @dataclass
 class EngineConfig:
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # compute dtype: auto | bfloat16 | float32 | float16 (see models.loader.resolve_dtype)
     expert_backend: str = "cpu"  # routed experts: "cpu" (C++ kernels) | "torch" (reference)
     block_size: int = 16
     kv_cache_gb: float = 1.0  # memory for the paged KV cache

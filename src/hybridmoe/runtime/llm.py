@@ -22,7 +22,7 @@ class GenerationResult:
 
 
 class LLM:
-    def __init__(self, model_dir: str | Path, dtype: str = "bfloat16", **engine_options):
+    def __init__(self, model_dir: str | Path, dtype: str = "auto", **engine_options):
         self.engine = LLMEngine(model_dir, EngineConfig(dtype=dtype, **engine_options))
         self.tokenizer = self.engine.tokenizer
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Callable
+
 from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.layers.moe.backend import ExpertBackend
 from hybridmoe.layers.moe.router import Router
@@ -15,10 +17,13 @@ from hybridmoe.layers.moe.router import Router
 class MoEBlock:
     def __init__(self, router: Router, experts: ExpertBackend, shared: GatedMLP | None):
         self.router, self.experts, self.shared = router, experts, shared
+        self.routing_observers: list[Callable[[torch.Tensor], None]] = []  # called with topk_ids [T, K]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]. The shared experts run between submit and wait, overlapping routed work."""
         topk_ids, topk_weights = self.router.route(x)  # [T, K], [T, K]
+        for observe in self.routing_observers:
+            observe(topk_ids)
         handle = self.experts.submit(x, topk_ids, topk_weights)
         shared = self.shared.forward(x) if self.shared is not None else None
         routed = self.experts.wait(handle)

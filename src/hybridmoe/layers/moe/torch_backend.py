@@ -47,7 +47,7 @@ class TorchExpertBackend:
     def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         w = self.w
         if w.fmt == "dense":
-            return w.gate[e], w.up[e], w.down[e]
+            return w.gate[e].to(self.dtype), w.up[e].to(self.dtype), w.down[e].to(self.dtype)
         if w.fmt == "fp8":
             return tuple(dequantize_fp8(q[e], s[e], w.block_size, self.dtype)
                          for q, s in ((w.gate, w.gate_scale), (w.up, w.up_scale), (w.down, w.down_scale)))
