@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -17,6 +18,7 @@
 
 #include "cpu_features.h"
 #include "moe.h"
+#include "numa.h"
 #include "thread_pool.h"
 
 namespace nb = nanobind;
@@ -230,9 +232,21 @@ struct PyMoE {
       matrices.push_back(nb::cast<PyMatrix>(down[e]));
       experts[e] = {matrices[3 * e].m, matrices[3 * e + 1].m, matrices[3 * e + 2].m};
     }
-    layer = std::make_unique<MoELayer>(std::move(experts), hidden, intermediate);
+    nb::gil_scoped_release release;  // copying shards into node memory may take a while
+    layer = std::make_unique<MoELayer>(std::move(experts), hidden, intermediate, global_numa_topology());
   }
 };
+
+// A topology as Python sees it: {"nodes": [[cpu, ...], ...], "memory_nodes": [...], "emulated", "copy_shards"}.
+nb::dict topology_dict(const NumaTopology& t) {
+  nb::dict d;
+  d["nodes"] = t.node_cpus;
+  d["memory_nodes"] = t.memory_node;
+  d["emulated"] = t.emulated;
+  d["copy_shards"] = t.copy_shards;
+  d["description"] = t.describe();
+  return d;
+}
 
 MoEHandle submit(nb::object self_obj, nb::object hidden_obj, nb::object ids_obj, nb::object weights_obj,
                  nb::object out_obj, const std::string& path) {
@@ -340,6 +354,12 @@ NB_MODULE(_native, mod) {
       .def(nb::init<nb::list, nb::list, nb::list, int64_t, int64_t>(), "gate"_a, "up"_a, "down"_a, "hidden"_a,
            "intermediate"_a)
       .def_prop_ro("num_experts", [](const PyMoE& m) { return m.layer->num_experts(); })
+      .def_prop_ro("numa_shards", [](const PyMoE& m) {
+        nb::list shards;
+        for (const NodeShard& s : m.layer->shards())
+          shards.append(nb::make_tuple(s.begin, s.end, s.copied_bytes, s.bound));
+        return shards;
+      }, "Per NUMA node: (begin, end) of its intermediate range, bytes copied into its memory, bound (mbind)")
       .def("submit", [](nb::object self, nb::object hidden, nb::object ids, nb::object weights, nb::object out,
                         const std::string& path) { return submit(self, hidden, ids, weights, out, path); },
            "hidden"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "path"_a = "auto");
@@ -374,6 +394,29 @@ NB_MODULE(_native, mod) {
     nb::gil_scoped_release release;
     configure_threads(n, cpus);
   }, "num_threads"_a, "cpus"_a = std::vector<int>{});
+  mod.def("numa_topology", [] { return topology_dict(global_numa_topology()); }, "The topology the pool uses.");
+  mod.def("detect_numa_topology", [] { return topology_dict(detect_numa_topology()); },
+          "The machine's NUMA nodes from /sys (ignores overrides).");
+  mod.def("configure_numa", [](std::vector<std::vector<int>> nodes, std::vector<int> memory_nodes, bool copy_shards,
+                               int num_threads) {
+    NumaTopology t;
+    if (nodes.empty()) {
+      t = detect_numa_topology();
+    } else {
+      t.node_cpus = std::move(nodes);
+      t.emulated = true;
+      t.copy_shards = copy_shards;
+      t.memory_node = memory_nodes.empty() ? std::vector<int>(t.node_cpus.size(), -1) : memory_nodes;
+      if (t.memory_node.size() != t.node_cpus.size())
+        fail("memory_nodes", "one per node needed, got " + std::to_string(t.memory_node.size()) + " for " +
+                                 std::to_string(t.node_cpus.size()) + " nodes");
+    }
+    nb::gil_scoped_release release;
+    configure_numa(t, num_threads);
+  }, "nodes"_a, "memory_nodes"_a = std::vector<int>{}, "copy_shards"_a = false, "num_threads"_a = 0,
+     "Replace the topology (empty nodes: detect) and the pool; layers built afterwards are split over it.");
+  mod.def("thread_nodes", [] { return global_pool().thread_nodes(); });
+  mod.def("split_range", &split_range, "n"_a, "granularity"_a, "parts"_a);
   mod.def("num_threads", [] { return global_pool().size(); });
   mod.def("thread_cpus", [] { return global_pool().cpus(); });
   mod.def("available_cpus", &available_cpus);

@@ -105,7 +105,7 @@ void quantize_row(const float* x, I64 k, I64 padded, int group, int8_t* q, float
   }
 }
 
-MoELayer::MoELayer(std::vector<ExpertMatrices> experts, I64 hidden, I64 intermediate)
+MoELayer::MoELayer(std::vector<ExpertMatrices> experts, I64 hidden, I64 intermediate, const NumaTopology& topology)
     : experts_(std::move(experts)), hidden_(hidden), intermediate_(intermediate) {
   if (experts_.empty()) throw std::invalid_argument("MoE layer needs at least one expert");
   fmt_ = experts_[0].gate.fmt;
@@ -120,6 +120,7 @@ MoELayer::MoELayer(std::vector<ExpertMatrices> experts, I64 hidden, I64 intermed
     if (is_int_format(fmt_) && x.gate.group != x.up.group)
       throw std::invalid_argument("expert " + std::to_string(e) + ": gate and up must share a group size");
   }
+  shards_ = shard_experts(experts_, intermediate_, topology);
 }
 
 void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& pool) const {
@@ -152,10 +153,20 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
       }
   }
 
-  // prepare: hidden -> activations for gate/up
-  const ExpertMatrices& first = experts_[slots[0]];
+  // Nodes: each computes its intermediate range [begin, end) into its own buffers (one node: all of I).
+  const std::vector<NodeShard>& nodes = shards_.nodes;
+  const int N = static_cast<int>(nodes.size());
+  if (N > 1 && pool.num_nodes() != N)
+    throw std::invalid_argument("this MoE layer was split over " + std::to_string(N) +
+                                " NUMA nodes but the thread pool has " + std::to_string(pool.num_nodes()) +
+                                "; build the layer after configuring the NUMA nodes");
+  auto node_threads = [&](int n) { return N > 1 ? pool.node_threads(n) : threads; };
+  auto active = [&](int n) { return nodes[n].begin < nodes[n].end; };
+
+  // prepare: hidden -> activations for gate/up (shared by the nodes)
+  const I64 first_expert = slots[0];
   ActBuffer xin;
-  xin.init(T, first.gate);
+  xin.init(T, experts_[first_expert].gate);
   pool.parallel_for(T, [&](I64 t, int) {
     float* dst = xin.row(t);
     if (in.hidden_bf16) {
@@ -167,39 +178,59 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
     xin.quantize(t);
   });
 
-  // gate/up: (slot x block of I rows) -> inter[pair row, i] = silu(gate) * up
-  ActBuffer inter;
-  inter.init(T * K, first.down);
-  const I64 blk_i = task_rows(I, S, threads);
-  const I64 blocks_i = ceil_div(I, blk_i);
-  I64 max_tokens = 0;
+  // gate/up: per node (slot x block of its I rows) -> inter[n][pair row, i - begin] = silu(gate) * up
+  std::vector<ActBuffer> inter(static_cast<size_t>(N));
+  std::vector<I64> blk_i(static_cast<size_t>(N), 1), blocks_i(static_cast<size_t>(N), 0), tasks(static_cast<size_t>(N));
+  I64 max_tokens = 0, max_blk = 1;
   for (I64 s = 0; s < S; ++s) max_tokens = std::max(max_tokens, slot_begin[s + 1] - slot_begin[s]);
-  std::vector<float> scratch(static_cast<size_t>(threads) * 2 * max_tokens * blk_i);
-  pool.parallel_for(S * blocks_i, [&](I64 task, int thread) {
-    const I64 s = task / blocks_i, r0 = (task % blocks_i) * blk_i, r1 = std::min(I, r0 + blk_i);
-    const ExpertMatrices& ex = experts_[slots[s]];
+  for (int n = 0; n < N; ++n) {
+    if (!active(n)) continue;
+    const I64 rows = nodes[n].end - nodes[n].begin;
+    inter[n].init(T * K, nodes[n].experts[first_expert].down);
+    blk_i[n] = task_rows(rows, S, node_threads(n));
+    blocks_i[n] = ceil_div(rows, blk_i[n]);
+    max_blk = std::max(max_blk, blk_i[n]);
+  }
+  for (int n = 0; n < N; ++n) tasks[n] = S * blocks_i[n];
+  std::vector<float> scratch(static_cast<size_t>(threads) * 2 * max_tokens * max_blk);
+  pool.parallel_for_nodes(tasks, [&](int n, I64 task, int thread) {
+    const I64 bi = blk_i[n], rows = nodes[n].end - nodes[n].begin;
+    const I64 s = task / blocks_i[n], r0 = (task % blocks_i[n]) * bi, r1 = std::min(rows, r0 + bi);
+    const ExpertMatrices& ex = nodes[n].experts[slots[s]];
     const I64 m = slot_begin[s + 1] - slot_begin[s];
     const Activations acts = xin.view(m, pair_token.data() + slot_begin[s], 0);
-    float* g = scratch.data() + static_cast<size_t>(thread) * 2 * max_tokens * blk_i;
-    float* u = g + max_tokens * blk_i;
-    kt.matmul(ex.gate, r0, r1, acts, g, blk_i, in.path);
-    kt.matmul(ex.up, r0, r1, acts, u, blk_i, in.path);
-    for (I64 j = 0; j < m; ++j) kt.silu_mul(g + j * blk_i, u + j * blk_i, inter.row(slot_begin[s] + j) + r0, r1 - r0);
+    float* g = scratch.data() + static_cast<size_t>(thread) * 2 * max_tokens * max_blk;
+    float* u = g + max_tokens * bi;
+    kt.matmul(ex.gate, r0, r1, acts, g, bi, in.path);
+    kt.matmul(ex.up, r0, r1, acts, u, bi, in.path);
+    for (I64 j = 0; j < m; ++j) kt.silu_mul(g + j * bi, u + j * bi, inter[n].row(slot_begin[s] + j) + r0, r1 - r0);
   });
-  if (is_int_format(fmt_)) pool.parallel_for(T * K, [&](I64 row, int) { inter.quantize(row); });
+  if (is_int_format(fmt_)) {
+    for (int n = 0; n < N; ++n) tasks[n] = active(n) ? T * K : 0;
+    pool.parallel_for_nodes(tasks, [&](int n, I64 row, int) { inter[n].quantize(row); });
+  }
 
-  // down: (slot x block of H rows) -> y[pair row, h]
-  std::vector<float> y(static_cast<size_t>(T * K * H));
-  const I64 blk_h = task_rows(H, S, threads);
-  const I64 blocks_h = ceil_div(H, blk_h);
-  pool.parallel_for(S * blocks_h, [&](I64 task, int) {
-    const I64 s = task / blocks_h, r0 = (task % blocks_h) * blk_h, r1 = std::min(H, r0 + blk_h);
+  // down: per node (slot x block of H rows) -> y[n][pair row, h], the node's partial over its I columns
+  std::vector<std::vector<float>> y(static_cast<size_t>(N));
+  std::vector<I64> blk_h(static_cast<size_t>(N), 1), blocks_h(static_cast<size_t>(N), 0);
+  for (int n = 0; n < N; ++n) {
+    if (!active(n)) continue;
+    y[n].resize(static_cast<size_t>(T * K * H));
+    blk_h[n] = task_rows(H, S, node_threads(n));
+    blocks_h[n] = ceil_div(H, blk_h[n]);
+  }
+  for (int n = 0; n < N; ++n) tasks[n] = S * blocks_h[n];
+  pool.parallel_for_nodes(tasks, [&](int n, I64 task, int) {
+    const I64 s = task / blocks_h[n], r0 = (task % blocks_h[n]) * blk_h[n], r1 = std::min(H, r0 + blk_h[n]);
     const I64 m = slot_begin[s + 1] - slot_begin[s];
-    const Activations acts = inter.view(m, nullptr, slot_begin[s]);
-    kt.matmul(experts_[slots[s]].down, r0, r1, acts, y.data() + slot_begin[s] * H + r0, H, in.path);
+    const Activations acts = inter[n].view(m, nullptr, slot_begin[s]);
+    kt.matmul(nodes[n].experts[slots[s]].down, r0, r1, acts, y[n].data() + slot_begin[s] * H + r0, H, in.path);
   });
 
-  // combine: out[t, h] = sum_k w[t, k] * y[pair(t, k), h]
+  // combine: out[t, h] = sum_k w[t, k] * sum_n y[n][pair(t, k), h]
+  std::vector<const float*> partials;
+  for (int n = 0; n < N; ++n)
+    if (active(n)) partials.push_back(y[n].data());
   const I64 blk_c = 512, blocks_c = ceil_div(H, blk_c);
   pool.parallel_for(T * blocks_c, [&](I64 task, int) {
     const I64 t = task / blocks_c, h0 = (task % blocks_c) * blk_c, h1 = std::min(H, h0 + blk_c);
@@ -207,8 +238,10 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
     std::fill(acc, acc + (h1 - h0), 0.0f);
     for (I64 k = 0; k < K; ++k) {
       const float wk = in.weights[t * K + k];
-      const float* src = y.data() + pair_row[t * K + k] * H;
-      for (I64 h = h0; h < h1; ++h) acc[h - h0] += wk * src[h];
+      for (const float* part : partials) {
+        const float* src = part + pair_row[t * K + k] * H;
+        for (I64 h = h0; h < h1; ++h) acc[h - h0] += wk * src[h];
+      }
     }
     if (in.hidden_bf16) {
       uint16_t* dst = static_cast<uint16_t*>(in.out) + t * H;

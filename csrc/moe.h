@@ -7,7 +7,9 @@
 //   quantise  int formats: the intermediate rows -> int8 per group
 //   down      (expert x block of H rows) -> one output row per (token, expert) pair
 //   combine   (token x block of H): weighted sum over the token's experts, stored in hidden's dtype
-// Experts with more tokens are scheduled first so that uneven loads balance.
+// Experts with more tokens are scheduled first so that uneven loads balance. With several NUMA nodes, each
+// node's threads run gate/up/quantise/down on the node's shard of the intermediate dimension only (see
+// moe_shards.h), giving a partial down output per node, and combine sums the partials.
 //
 // Legend: T tokens, H hidden, K top-k, I expert intermediate, E experts, A = T*K (token, expert) pairs.
 #pragma once
@@ -16,13 +18,10 @@
 #include <vector>
 
 #include "hm_types.h"
+#include "moe_shards.h"
 #include "thread_pool.h"
 
 namespace hm {
-
-struct ExpertMatrices {
-  Matrix gate, up, down;  // gate/up [I, H], down [H, I]
-};
 
 struct MoEInput {
   const void* hidden = nullptr;  // [T, H]
@@ -36,16 +35,20 @@ struct MoEInput {
 
 class MoELayer {
  public:
-  MoELayer(std::vector<ExpertMatrices> experts, int64_t hidden, int64_t intermediate);
+  // The experts are cut over `topology`'s nodes (one node: used as they are).
+  MoELayer(std::vector<ExpertMatrices> experts, int64_t hidden, int64_t intermediate, const NumaTopology& topology);
   int64_t num_experts() const { return static_cast<int64_t>(experts_.size()); }
   int64_t hidden() const { return hidden_; }
   int64_t intermediate() const { return intermediate_; }
-  // Runs on `pool` (the calling thread joins as thread 0).
+  const std::vector<NodeShard>& shards() const { return shards_.nodes; }
+  // Runs on `pool` (the calling thread joins as thread 0), whose NUMA nodes must be the layer's (or the layer
+  // has one node: then all threads share the work).
   void compute(const MoEInput& in, const KernelTable& kt, ThreadPool& pool) const;
 
  private:
   std::vector<ExpertMatrices> experts_;
   int64_t hidden_, intermediate_;
+  ShardedExperts shards_;
   WFormat fmt_;
 };
 

@@ -1,6 +1,7 @@
 // Thread pool, job executor and the process-wide instances (see thread_pool.h).
 #include "thread_pool.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
 
@@ -37,6 +38,23 @@ void pin_current_thread(int cpu) {
 #endif
 }
 
+#if defined(__linux__)
+// The CPUs the process could use when the library was loaded (before any pinning).
+const cpu_set_t g_initial_affinity = [] {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c) CPU_SET(c, &set);
+  return set;
+}();
+#endif
+
+void unpin_current_thread() {
+#if defined(__linux__)
+  pthread_setaffinity_np(pthread_self(), sizeof(g_initial_affinity), &g_initial_affinity);
+#endif
+}
+
 }  // namespace
 
 void enable_denormals() {
@@ -54,8 +72,21 @@ int available_cpus() {
   return n ? static_cast<int>(n) : 1;
 }
 
-ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus) : num_threads_(num_threads), cpus_(std::move(cpus)) {
+ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus, std::vector<int> thread_nodes)
+    : num_threads_(num_threads), cpus_(std::move(cpus)), thread_nodes_(std::move(thread_nodes)) {
   if (num_threads < 1) throw std::invalid_argument("thread pool: num_threads must be >= 1");
+  if (thread_nodes_.empty()) thread_nodes_.assign(static_cast<size_t>(num_threads), 0);
+  if (static_cast<int>(thread_nodes_.size()) != num_threads)
+    throw std::invalid_argument("thread pool: one NUMA node per thread needed");
+  num_nodes_ = *std::max_element(thread_nodes_.begin(), thread_nodes_.end()) + 1;
+  node_threads_.assign(static_cast<size_t>(num_nodes_), 0);
+  for (int node : thread_nodes_) {
+    if (node < 0) throw std::invalid_argument("thread pool: negative NUMA node");
+    ++node_threads_[node];
+  }
+  for (int n = 0; n < num_nodes_; ++n)
+    if (!node_threads_[n]) throw std::invalid_argument("thread pool: NUMA node " + std::to_string(n) + " has no thread");
+  node_counters_.reset(new NodeCounter[static_cast<size_t>(num_nodes_)]);
   for (int t = 1; t < num_threads_; ++t) workers_.emplace_back([this, t] { worker_main(t); });
 }
 
@@ -69,16 +100,37 @@ ThreadPool::~ThreadPool() {
   for (std::thread& w : workers_) w.join();
 }
 
+void ThreadPool::record_error() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!error_) error_ = std::current_exception();
+  next_task_.store(num_tasks_, std::memory_order_relaxed);  // stop handing out tasks
+  for (int n = 0; n < num_nodes_; ++n)
+    node_counters_[n].next.store(node_counters_[n].count, std::memory_order_relaxed);
+}
+
 void ThreadPool::run_tasks(int thread) {
+  if (node_mode_) return run_node_tasks(thread);
   for (;;) {
     const int64_t task = next_task_.fetch_add(1, std::memory_order_relaxed);
     if (task >= num_tasks_) return;
     try {
       (*fn_)(task, thread);
     } catch (...) {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!error_) error_ = std::current_exception();
-      next_task_.store(num_tasks_, std::memory_order_relaxed);  // stop handing out tasks
+      record_error();
+    }
+  }
+}
+
+void ThreadPool::run_node_tasks(int thread) {
+  const int node = thread_nodes_[thread];
+  NodeCounter& counter = node_counters_[node];
+  for (;;) {
+    const int64_t task = counter.next.fetch_add(1, std::memory_order_relaxed);
+    if (task >= counter.count) return;
+    try {
+      (*node_fn_)(node, task, thread);
+    } catch (...) {
+      record_error();
     }
   }
 }
@@ -114,16 +166,50 @@ void ThreadPool::worker_main(int thread) {
 
 void ThreadPool::parallel_for(int64_t num_tasks, const std::function<void(int64_t, int)>& fn) {
   if (num_tasks <= 0) return;
-  if (!caller_pinned_ && !cpus_.empty()) {
-    pin_current_thread(cpus_[0]);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    node_mode_ = false;
+    fn_ = &fn;
+    num_tasks_ = num_tasks;
+    next_task_.store(0, std::memory_order_relaxed);
+  }
+  launch_and_join();
+}
+
+void ThreadPool::parallel_for_nodes(const std::vector<int64_t>& tasks_per_node,
+                                    const std::function<void(int, int64_t, int)>& fn) {
+  if (tasks_per_node.size() == 1) {
+    parallel_for(tasks_per_node[0], [&](int64_t task, int thread) { fn(0, task, thread); });
+    return;
+  }
+  if (static_cast<int>(tasks_per_node.size()) != num_nodes_)
+    throw std::invalid_argument("work split for " + std::to_string(tasks_per_node.size()) +
+                                " NUMA nodes, but the thread pool has " + std::to_string(num_nodes_));
+  int64_t total = 0;
+  for (int64_t n : tasks_per_node) total += std::max<int64_t>(n, 0);
+  if (total == 0) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    node_mode_ = true;
+    node_fn_ = &fn;
+    for (int n = 0; n < num_nodes_; ++n) {
+      node_counters_[n].count = tasks_per_node[n];
+      node_counters_[n].next.store(0, std::memory_order_relaxed);
+    }
+  }
+  launch_and_join();
+}
+
+// Wakes the workers for the task set stored under mu_, runs tasks as thread 0 and waits for all.
+void ThreadPool::launch_and_join() {
+  if (!caller_pinned_) {  // the caller may still be pinned by a previous pool
+    if (cpus_.empty()) unpin_current_thread();
+    else pin_current_thread(cpus_[0]);
     caller_pinned_ = true;
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    fn_ = &fn;
-    num_tasks_ = num_tasks;
     error_ = nullptr;
-    next_task_.store(0, std::memory_order_relaxed);
     busy_workers_.store(num_threads_ - 1, std::memory_order_relaxed);
     generation_.fetch_add(1, std::memory_order_release);
   }
@@ -138,6 +224,7 @@ void ThreadPool::parallel_for(int64_t num_tasks, const std::function<void(int64_
   {
     std::lock_guard<std::mutex> lock(mu_);
     fn_ = nullptr;
+    node_fn_ = nullptr;
     error = error_;
     error_ = nullptr;
   }
@@ -227,8 +314,9 @@ namespace {
 
 std::mutex g_pool_mu;
 std::unique_ptr<ThreadPool> g_pool;
+std::unique_ptr<NumaTopology> g_numa;
 
-int default_threads() {
+int env_threads() {
   if (const char* env = std::getenv("HYBRIDMOE_NUM_THREADS")) {
     char* end = nullptr;
     const long n = std::strtol(env, &end, 10);
@@ -236,7 +324,47 @@ int default_threads() {
       throw std::invalid_argument(std::string("HYBRIDMOE_NUM_THREADS must be a positive integer, got '") + env + "'");
     return static_cast<int>(n);
   }
-  return available_cpus();
+  return 0;
+}
+
+// A pool of num_threads (0: one per CPU of the topology) for `topology`; caller holds g_pool_mu.
+std::unique_ptr<ThreadPool> make_pool(const NumaTopology& topology, int num_threads, std::vector<int> cpus) {
+  const int N = topology.num_nodes();
+  if (N == 1) {
+    if (num_threads == 0) num_threads = env_threads();
+    if (num_threads == 0) num_threads = available_cpus();
+    return std::make_unique<ThreadPool>(num_threads, std::move(cpus));
+  }
+  if (!cpus.empty())
+    throw std::invalid_argument("with " + std::to_string(N) + " NUMA nodes threads are pinned to their node's CPUs; "
+                                "set the nodes' CPUs with configure_numa instead of pinning threads");
+  if (num_threads == 0) num_threads = env_threads();
+  if (num_threads == 0) num_threads = topology.total_cpus();
+  if (num_threads < N)
+    throw std::invalid_argument("need at least one thread per NUMA node: " + std::to_string(num_threads) +
+                                " threads for " + std::to_string(N) + " nodes");
+  // Node n gets a share of the threads in proportion to its CPUs (at least one), threads grouped by node.
+  const int total = topology.total_cpus();
+  std::vector<int> count(static_cast<size_t>(N), 1);
+  int left = num_threads - N;
+  for (int n = 0; n < N; ++n) {
+    const int share = static_cast<int>(static_cast<int64_t>(num_threads) * topology.node_cpus[n].size() / total) - 1;
+    count[n] += std::max(0, std::min(left, share));
+    left -= count[n] - 1;
+  }
+  for (int n = 0; left > 0; n = (n + 1) % N, --left) ++count[n];
+  std::vector<int> thread_nodes, thread_cpus;
+  for (int n = 0; n < N; ++n)
+    for (int j = 0; j < count[n]; ++j) {
+      thread_nodes.push_back(n);
+      thread_cpus.push_back(topology.node_cpus[n][j % topology.node_cpus[n].size()]);
+    }
+  return std::make_unique<ThreadPool>(num_threads, std::move(thread_cpus), std::move(thread_nodes));
+}
+
+const NumaTopology& numa_locked() {
+  if (!g_numa) g_numa = std::make_unique<NumaTopology>(default_numa_topology());
+  return *g_numa;
 }
 
 }  // namespace
@@ -248,16 +376,39 @@ Executor& global_executor() {
 
 ThreadPool& global_pool() {
   std::lock_guard<std::mutex> lock(g_pool_mu);
-  if (!g_pool) g_pool = std::make_unique<ThreadPool>(default_threads(), std::vector<int>{});
+  if (!g_pool) g_pool = make_pool(numa_locked(), 0, {});
   return *g_pool;
+}
+
+NumaTopology global_numa_topology() {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  return numa_locked();
 }
 
 void configure_threads(int num_threads, const std::vector<int>& cpus) {
   if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1, got " + std::to_string(num_threads));
   global_executor().drain();
   std::lock_guard<std::mutex> lock(g_pool_mu);
-  g_pool.reset();
-  g_pool = std::make_unique<ThreadPool>(num_threads, cpus);
+  std::unique_ptr<ThreadPool> pool = make_pool(numa_locked(), num_threads, cpus);  // throws before replacing
+  g_pool = std::move(pool);
+}
+
+void configure_numa(const NumaTopology& topology, int num_threads) {
+  if (topology.num_nodes() < 1) throw std::invalid_argument("NUMA topology needs at least one node");
+  if (topology.memory_node.size() != topology.node_cpus.size())
+    throw std::invalid_argument("NUMA topology: one memory node per node needed");
+  for (int n = 0; n < topology.num_nodes(); ++n) {
+    if (topology.node_cpus[n].empty()) throw std::invalid_argument("NUMA node " + std::to_string(n) + " has no CPUs");
+    for (int cpu : topology.node_cpus[n])
+      if (cpu < 0 || cpu >= 1024)
+        throw std::invalid_argument("NUMA node " + std::to_string(n) + ": CPU " + std::to_string(cpu) + " is not a valid CPU");
+  }
+  if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0, got " + std::to_string(num_threads));
+  global_executor().drain();
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  std::unique_ptr<ThreadPool> pool = make_pool(topology, num_threads, {});
+  g_pool = std::move(pool);
+  g_numa = std::make_unique<NumaTopology>(topology);
 }
 
 }  // namespace hm

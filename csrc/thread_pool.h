@@ -1,5 +1,6 @@
 // A persistent thread pool whose parallel_for hands out task indices dynamically (one shared atomic counter),
-// so that uneven tasks (experts with more tokens) balance; and a single-thread executor that runs submitted
+// so that uneven tasks (experts with more tokens) balance, with one counter per NUMA node when the threads
+// are grouped by node (a node's threads take only its tasks); and a single-thread executor that runs submitted
 // jobs in order, so that Python can submit work and wait for it later.
 #pragma once
 
@@ -15,30 +16,45 @@
 #include <thread>
 #include <vector>
 
+#include "numa.h"
+
 namespace hm {
 
 class ThreadPool {
  public:
   // `num_threads` compute threads in all: num_threads - 1 workers plus the thread calling parallel_for.
   // `cpus` (may be empty): pin thread i to cpus[i % cpus.size()]; the caller is pinned on its first call.
-  ThreadPool(int num_threads, std::vector<int> cpus);
+  // `thread_nodes` (may be empty: all node 0): the NUMA node of each thread; every node needs a thread.
+  ThreadPool(int num_threads, std::vector<int> cpus, std::vector<int> thread_nodes = {});
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const { return num_threads_; }
   const std::vector<int>& cpus() const { return cpus_; }
+  int num_nodes() const { return num_nodes_; }
+  int node_threads(int node) const { return node_threads_[node]; }
+  const std::vector<int>& thread_nodes() const { return thread_nodes_; }
 
   // Calls fn(task, thread) for every task in [0, num_tasks) on all threads (thread 0 = the caller) and
   // returns when all are done; rethrows the first exception a task threw.
   void parallel_for(int64_t num_tasks, const std::function<void(int64_t, int)>& fn);
+  // Calls fn(node, task, thread) for every task in [0, tasks_per_node[node]) of every node, each on a thread
+  // of that node only. One entry: a plain parallel_for over all threads. Otherwise one entry per node.
+  void parallel_for_nodes(const std::vector<int64_t>& tasks_per_node,
+                          const std::function<void(int, int64_t, int)>& fn);
 
  private:
   void worker_main(int thread);
   void run_tasks(int thread);
+  void run_node_tasks(int thread);
+  void launch_and_join();
+  void record_error();
 
   int num_threads_;
   std::vector<int> cpus_;
+  std::vector<int> thread_nodes_, node_threads_;
+  int num_nodes_ = 1;
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable start_cv_, done_cv_;
@@ -47,6 +63,14 @@ class ThreadPool {
   const std::function<void(int64_t, int)>* fn_ = nullptr;
   int64_t num_tasks_ = 0;
   std::atomic<int64_t> next_task_{0};
+  // node mode (parallel_for_nodes with several nodes): one padded counter per node
+  struct alignas(64) NodeCounter {
+    std::atomic<int64_t> next{0};
+    int64_t count = 0;
+  };
+  const std::function<void(int, int64_t, int)>* node_fn_ = nullptr;
+  std::unique_ptr<NodeCounter[]> node_counters_;
+  bool node_mode_ = false;
   std::atomic<int> busy_workers_{0};
   std::exception_ptr error_;
   bool caller_pinned_ = false;
@@ -84,11 +108,17 @@ class Executor {
   std::thread thread_;
 };
 
-// The process-wide pool and executor. The pool is created on first use with HYBRIDMOE_NUM_THREADS or the
-// number of CPUs this process may run on; configure_threads replaces it (after in-flight jobs finish).
+// The process-wide pool and executor. The pool is created on first use for the NUMA topology
+// (default_numa_topology) with HYBRIDMOE_NUM_THREADS threads or one per CPU of the topology (one node: the CPUs
+// this process may run on, unpinned); with several nodes threads are split over the nodes in proportion to
+// their CPUs and pinned to them. configure_threads / configure_numa replace it (after in-flight jobs finish).
 ThreadPool& global_pool();
 Executor& global_executor();
+// Same topology, `num_threads` threads; `cpus` pins them (one node only: with several, threads follow nodes).
 void configure_threads(int num_threads, const std::vector<int>& cpus);
+// New topology; num_threads 0 = one per CPU of the topology.
+void configure_numa(const NumaTopology& topology, int num_threads);
+NumaTopology global_numa_topology();
 int available_cpus();
 
 // Clears the flush-to-zero / denormals-are-zero modes on this thread (FP8 subnormals decode through

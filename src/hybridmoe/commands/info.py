@@ -1,11 +1,10 @@
 """`hybridmoe info`: which kernel ISA runs (and why the others do not), CPU features, the kernels' threads and
-pinning, NUMA nodes, versions."""
+pinning, the NUMA layout the kernels use (nodes, their CPUs and threads, where weight shards live), versions."""
 
 from __future__ import annotations
 
 import os
 import platform
-from pathlib import Path
 
 
 def register(subparsers) -> None:
@@ -13,9 +12,19 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _numa_nodes() -> list[str]:
-    nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
-    return [f"{n.name}: cpus {(n / 'cpulist').read_text().strip()}" for n in nodes if (n / "cpulist").exists()]
+def _numa_lines() -> list[str]:
+    from hybridmoe.kernels import numa
+
+    used = numa.topology()
+    per_node = [numa.thread_nodes().count(n) for n in range(len(used["nodes"]))]
+    lines = [f"NUMA layout: {used['description']}",
+             "  threads per node: " + ", ".join(f"node {n}: {c}" for n, c in enumerate(per_node))]
+    if len(used["nodes"]) > 1:
+        lines.append("  each node computes its shard of every expert's intermediate dimension; partial outputs summed")
+    detected = numa.detected_topology()
+    if used["emulated"]:
+        lines.append(f"  (emulated by HYBRIDMOE_NUMA_NODES/configure_numa; machine: {detected['description']})")
+    return lines
 
 
 def run(args) -> int:
@@ -43,6 +52,6 @@ def run(args) -> int:
     cpus = isa.thread_cpus()
     print(f"threads: {isa.num_threads()} (HYBRIDMOE_NUM_THREADS={os.environ.get('HYBRIDMOE_NUM_THREADS', 'unset')}; "
           f"{os.cpu_count()} CPUs), pinned: {cpus if cpus else 'no'}")
-    for line in _numa_nodes():
-        print(f"NUMA {line}")
+    for line in _numa_lines():
+        print(line)
     return 0

@@ -2,6 +2,7 @@
 
 Modules:
   isa        which kernel ISA runs (scalar / avx2 / avx512, HYBRIDMOE_ISA forces one), CPU features, threads
+  numa       NUMA nodes of the thread pool (detected or emulated); experts split over them by intermediate range
   formats    the weight formats (fp8 e4m3 block, int4/int8 per group, bf16): quantisers, exact dequantisers
   reference  float64 references of the kernels (matmul per format, the routed-expert MoE)
   weights    wrapping tensors (zero-copy) as kernel matrices, with format checks

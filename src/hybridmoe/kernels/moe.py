@@ -3,7 +3,8 @@
 `submit(hidden, topk_ids, topk_weights)` checks its inputs, queues the computation on the kernels' executor and
 returns at once; `wait(handle)` blocks (without the GIL) and returns [T, H] in hidden's dtype. In between,
 Python is free to run other work (accelerator kernels of another micro-batch). The weights are the caller's
-tensors, used in place (no copy).
+tensors, used in place (no copy), except that with several real NUMA nodes each node's shard of the
+experts' intermediate dimension is copied once into that node's memory (see hybridmoe.kernels.numa).
 
 Legend: T tokens, H hidden, K top-k, I expert intermediate, E experts.
 """
@@ -60,6 +61,13 @@ class FusedMoE:
     @property
     def num_experts(self) -> int:
         return self._native.num_experts
+
+    @property
+    def numa_shards(self) -> list[tuple[int, int, int, bool]]:
+        """Per NUMA node (as configured when this layer was built): (begin, end) of its range of every
+        expert's intermediate dimension, bytes of weights, scales and flags copied into its memory (0: the
+        shard is a view of the weights), and whether that memory is bound to the node."""
+        return [tuple(s) for s in self._native.numa_shards]
 
     def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                path: str = "auto") -> MoEHandle:

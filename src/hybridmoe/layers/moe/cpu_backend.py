@@ -7,7 +7,8 @@ appended as extra experts that every token visits with weight 1.
 
 Weights stay where the loader put them (zero-copy views of the memory-mapped checkpoint where it has them).
 The only repack is for dense weights whose rows are not contiguous (a transposed view): those are copied
-once, here, and counted in `repacked_bytes`.
+once, here, and counted in `repacked_bytes`. On several NUMA nodes the kernels copy each node's shard of the
+experts into its memory at load (`numa_copied_bytes`; see hybridmoe.kernels.numa).
 
 Legend: T tokens, H hidden, K top-k, E routed experts, S shared experts.
 """
@@ -54,6 +55,11 @@ class CpuExpertBackend:
         self.moe = FusedMoE(fmt, tensors["gate"], tensors["up"], tensors["down"], scales["gate"], scales["up"],
                             scales["down"], hidden_size=weights.down[0].shape[0],
                             intermediate_size=weights.gate[0].shape[0], block=tuple(weights.block_size))
+
+    @property
+    def numa_copied_bytes(self) -> int:
+        """Bytes copied at load into NUMA nodes' memory (their shards of the experts; 0 on one node)."""
+        return sum(shard[2] for shard in self.moe.numa_shards)
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         if t.dtype.is_floating_point and t.dtype != torch.float8_e4m3fn:

@@ -1,0 +1,54 @@
+// NUMA topology of the kernels' thread pool, and memory bound to a node.
+//
+// The topology is a list of nodes, each with the CPUs its threads are pinned to and the OS node whose memory
+// holds that node's weight shards. Detected from /sys/devices/system/node (intersected with the CPUs this
+// process may use); HYBRIDMOE_NUMA_NODES="0-3;4-7" (cpulists separated by ';') or configure_numa() overrides
+// it, which lets tests emulate several nodes on one (emulated nodes bind no memory unless told to).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hm {
+
+struct NumaTopology {
+  std::vector<std::vector<int>> node_cpus;  // per node: the CPUs its threads run on
+  std::vector<int> memory_node;             // per node: OS node to bind its shards to, -1 = do not bind
+  bool emulated = false;                    // from an override, not from /sys
+  bool copy_shards = false;                 // copy each node's weight shards into its memory at load
+  int num_nodes() const { return static_cast<int>(node_cpus.size()); }
+  int total_cpus() const;
+  std::string describe() const;             // "2 nodes (detected): node 0 cpus 0-3 memory 0; ..."
+};
+
+// "0-3,8,10-11" -> {0,1,2,3,8,10,11}; throws std::invalid_argument naming `what` on bad syntax.
+std::vector<int> parse_cpulist(const std::string& text, const std::string& what);
+std::string format_cpulist(const std::vector<int>& cpus);
+
+// The machine's nodes (those with CPUs this process may use); one node of all usable CPUs where /sys has none.
+// Several real nodes copy their shards into node memory.
+NumaTopology detect_numa_topology();
+// HYBRIDMOE_NUMA_NODES when set (emulated, no memory binding), else detect_numa_topology().
+NumaTopology default_numa_topology();
+
+// Anonymous memory of `bytes` bound (mbind MPOL_BIND) to OS node `node` (no binding when node < 0 or the
+// kernel refuses: `bound` says which). Freed with the object.
+class NodeMemory {
+ public:
+  NodeMemory(size_t bytes, int node);
+  ~NodeMemory();
+  NodeMemory(const NodeMemory&) = delete;
+  NodeMemory& operator=(const NodeMemory&) = delete;
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  bool bound() const { return bound_; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0, mapped_ = 0;
+  bool bound_ = false;
+};
+
+}  // namespace hm

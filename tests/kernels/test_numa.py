@@ -1,0 +1,150 @@
+"""The fused MoE split over emulated NUMA nodes: each node computes its shard of every expert's intermediate
+dimension and the partial outputs are summed. Compared with the single-node result (float tolerance) and the
+float64 reference (the single-node tolerances), for every format and ISA here, 2 and 3 nodes, T in {1, 5, 40}; shard
+boundaries on block / group boundaries, uneven I, shard copies (what several real nodes do), thread layout,
+errors, and `hybridmoe info`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybridmoe.kernels import isa, numa, reference
+from hybridmoe.kernels.moe import FusedMoE
+from kernel_testing import random_experts, random_routing
+
+E, H, I, K = 5, 200, 300, 2  # I = 300: a partial fp8 block (44), a padded int group, not a multiple of N x 32
+# (format, int group) -> the granularity the layer must cut I on
+CASES = [("fp8", 32, 128), ("int4", 32, 32), ("int4", 128, 128), ("int8", 32, 32), ("int8", 128, 128),
+         ("bf16", 32, 32), ("f32", 32, 32)]
+
+
+def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def _reference_tolerance(fmt: str) -> float:
+    return 3e-2 if fmt in ("int4", "int8") else 2e-5  # as test_moe (fp32 hidden)
+
+
+def _emulated_nodes(n: int) -> list[list[int]]:
+    cpus = sorted(os.sched_getaffinity(0))
+    return [[cpus[i % len(cpus)]] for i in range(n)]
+
+
+def _batches(gen: torch.Generator):
+    for tokens in (1, 5, 40):  # 40 tokens x 2 of 5 experts: the GEMM path
+        yield (torch.randn(tokens, H, generator=gen),) + random_routing(tokens, K, E, gen)
+
+
+def _check_shards(shards, granularity: int, nodes: int) -> None:
+    assert len(shards) == nodes
+    assert shards[0][0] == 0 and shards[-1][1] == I
+    for (b0, e0, *_), (b1, _e1, *_) in zip(shards, shards[1:]):
+        assert e0 == b1  # contiguous, no overlap: every I column on exactly one node
+    for begin, end, *_ in shards:
+        assert begin % granularity == 0 and (end % granularity == 0 or end == I) and begin < end
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+@pytest.mark.parametrize("fmt,group,granularity", CASES)
+def test_split_over_nodes_matches_single_node_and_float64(each_isa, nodes, fmt, group, granularity):
+    gen = torch.Generator().manual_seed(hash((fmt, group, nodes, each_isa)) % 2**31)
+    kwargs, exact = random_experts(fmt, E, H, I, gen, group=group)
+    batches = list(_batches(gen))
+    single = FusedMoE(**kwargs)
+    assert [s[:2] for s in single.numa_shards] == [(0, I)]
+    expected = [single(*batch) for batch in batches]
+    with numa.use_numa(_emulated_nodes(nodes)):
+        split = FusedMoE(**kwargs)
+        _check_shards(split.numa_shards, granularity, nodes)
+        assert all(s[2] == 0 for s in split.numa_shards)  # emulated: views, no copy
+        for batch, single_out in zip(batches, expected):
+            out = split(*batch)
+            assert _error(out, single_out) < 1e-5, f"T={batch[0].shape[0]}"
+            assert _error(out, reference.moe_reference(*batch, exact)) < _reference_tolerance(fmt)
+
+
+@pytest.mark.parametrize("fmt,group,granularity", CASES)
+def test_shard_copies_hold_every_weight_once(fmt, group, granularity):
+    gen = torch.Generator().manual_seed(hash((fmt, group, "copy")) % 2**31)
+    kwargs, exact = random_experts(fmt, E, H, I, gen, group=group)
+    batches = list(_batches(gen))
+    expected = [FusedMoE(**kwargs)(*batch) for batch in batches]
+    with numa.use_numa(_emulated_nodes(2), copy_shards=True, memory_nodes=[0, 0]):  # bound to the real node 0
+        split = FusedMoE(**kwargs)
+        _check_shards(split.numa_shards, granularity, 2)
+        weight_bytes = sum(t.numel() * t.element_size() for name in ("gate", "up", "down") for t in kwargs[name])
+        scale_bytes = sum(t.numel() * t.element_size() for name in ("gate_scale", "up_scale", "down_scale")
+                          for t in kwargs.get(name, []))
+        copied = sum(s[2] for s in split.numa_shards)
+        # every weight and scale once; plus fp8 code flags (2 bytes a row; down's H rows on each node) and
+        # 64-byte alignment of each piece; a duplicated weight would exceed this
+        extras = (E * 4 * (I + H) if fmt == "fp8" else 0) + 2 * E * 3 * 3 * 64
+        assert weight_bytes + scale_bytes <= copied <= weight_bytes + scale_bytes + extras
+        assert all(s[3] for s in split.numa_shards), "mbind to node 0 failed"
+        for name in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale"):
+            for t in kwargs.get(name, []):  # the split layer must read its copies, not these
+                t.view(torch.uint8).fill_(0x3C)
+        for batch, single_out in zip(batches, expected):
+            out = split(*batch)
+            assert _error(out, single_out) < 1e-5
+            assert _error(out, reference.moe_reference(*batch, exact)) < _reference_tolerance(fmt)
+
+
+def test_fewer_units_than_nodes_bf16_hidden_and_a_single_node_layer_on_a_split_pool():
+    gen = torch.Generator().manual_seed(3)
+    kwargs, exact = random_experts("fp8", E, H, 72, gen)  # one fp8 block for 3 nodes: two nodes idle
+    hidden = torch.randn(6, H, generator=gen).bfloat16()
+    ids, weights = random_routing(6, K, E, gen)
+    single = FusedMoE(**kwargs)
+    expected = single(hidden, ids, weights)
+    with numa.use_numa(_emulated_nodes(3)):
+        split = FusedMoE(**kwargs)
+        assert sorted(s[1] - s[0] for s in split.numa_shards) == [0, 0, 72]
+        assert torch.equal(split(hidden, ids, weights), expected)  # one node works: same sums
+        assert torch.equal(single(hidden, ids, weights), expected)  # built for one node: all threads share it
+        assert _error(expected, reference.moe_reference(hidden, ids, weights, exact)) < 1e-2
+
+
+def test_thread_layout_and_errors():
+    with numa.use_numa([[0], [1]], num_threads=5):
+        assert numa.thread_nodes() == [0, 0, 0, 1, 1]
+        assert isa.thread_cpus() == [0, 0, 0, 1, 1]
+        topo = numa.topology()
+        assert topo["nodes"] == [[0], [1]] and topo["emulated"] and "2 nodes (emulated)" in topo["description"]
+        gen = torch.Generator().manual_seed(4)
+        kwargs, _ = random_experts("bf16", E, H, I, gen)
+        split = FusedMoE(**kwargs)
+        with pytest.raises(ValueError, match="pinned to their node's CPUs"):
+            isa.configure_threads(2, [0])
+        with pytest.raises(ValueError, match="at least one thread per NUMA node"):
+            isa.configure_threads(1)
+        numa.configure_numa([[0], [1], [0]])
+        with pytest.raises(RuntimeError, match="split over 2 NUMA nodes but the thread pool has 3"):
+            split(torch.randn(1, H), *random_routing(1, K, E, gen))
+        with pytest.raises(ValueError, match="memory_nodes: one per node"):
+            numa.configure_numa([[0], [1]], memory_nodes=[0])
+        with pytest.raises(ValueError, match="NUMA node 1: CPU -1 is not a valid CPU"):
+            numa.configure_numa([[0], [-1]])
+    assert numa.topology() == numa.detected_topology()
+    assert set(numa.thread_nodes()) == {0} or len(numa.topology()["nodes"]) > 1
+
+
+def test_split_range_is_even_on_whole_units():
+    assert numa.split_range(300, 128, 2) == [(0, 128), (128, 300)]
+    assert numa.split_range(300, 32, 3) == [(0, 96), (96, 192), (192, 300)]
+    assert numa.split_range(72, 128, 2) == [(0, 0), (0, 72)]
+
+
+def test_info_prints_the_numa_layout_from_the_environment():
+    env = dict(os.environ, HYBRIDMOE_NUMA_NODES="0;0-1")
+    result = subprocess.run([sys.executable, "-c", "from hybridmoe.cli import main; main(['info'])"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "NUMA layout: 2 nodes (emulated); node 0 cpus 0 memory unbound; node 1 cpus 0-1" in result.stdout
+    assert "threads per node: node 0: 1, node 1: 2" in result.stdout
