@@ -84,3 +84,35 @@ def test_bad_requests_fail_alone_with_clear_errors(model_dir):
         outputs += engine.step()
     finished = [o for o in outputs if o.finished]
     assert [o.req_id for o in finished] == [good] and len(finished[0].token_ids) == 12
+
+
+def test_a_failing_step_ends_its_requests_and_the_engine_keeps_serving(model_dir, monkeypatch):
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32"))
+    doomed = engine.add_request(_prompts()[1], GREEDY)
+    real_forward = engine.runner.forward
+
+    def broken_forward(chunks, all_logits=False):
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(engine.runner, "forward", broken_forward)
+    outputs = engine.step()
+    assert [(o.req_id, o.finished, o.finish_reason) for o in outputs] == [(doomed, True, "error")]
+    assert "simulated kernel failure" in outputs[0].error
+    monkeypatch.setattr(engine.runner, "forward", real_forward)
+    survivor = engine.add_request(_prompts()[0], GREEDY)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [(o.req_id, o.finish_reason, len(o.token_ids)) for o in finished] == [(survivor, "length", 12)]
+
+
+def test_abort_ends_a_running_request(model_dir):
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32"))
+    a = engine.add_request(_prompts()[0], GREEDY)
+    b = engine.add_request(_prompts()[2], GREEDY)
+    engine.step()
+    engine.abort_request(a)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert {(o.req_id, o.finish_reason) for o in finished} == {(a, "abort"), (b, "length")}
