@@ -8,7 +8,7 @@ from hybridmoe.checkpoint.default_model import default_model_dir
 from hybridmoe.commands._generation import build_engine, stream
 from hybridmoe.runtime.sampling_params import SamplingParams
 
-DEMO_PROMPTS = ["The history of the computer", "Q: What is the capital of France?\nA:"]
+DEMO_PROMPTS = ["A man was reading", "The Python interpreter"]
 
 
 def register(subparsers) -> None:

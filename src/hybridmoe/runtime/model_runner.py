@@ -26,11 +26,18 @@ class SequenceChunk:
     block_table: list[int]
 
 
+# Below this many tokens in a step, torch's own ops (attention, norms, small matmuls) run on one thread: their
+# work is microseconds, and waking a team of intra-op threads costs more than it saves (ten times more when
+# another process holds a core). The routed experts keep all cores through the C++ kernels' own pool.
+SINGLE_THREAD_MAX_TOKENS = 64
+
+
 class ModelRunner:
     def __init__(self, model: MoEDecoderModel, num_blocks: int, block_size: int):
         self.model, self.num_blocks, self.block_size = model, num_blocks, block_size
         shape = model.kv_cache_shape(num_blocks, block_size)
         self.kv_caches = [torch.zeros(shape, dtype=model.dtype) for _ in range(model.config.num_layers)]
+        self.max_threads = torch.get_num_threads()
 
     @staticmethod
     def blocks_for_memory(model: MoEDecoderModel, kv_cache_bytes: int, block_size: int) -> int:
@@ -62,5 +69,8 @@ class ModelRunner:
         logits_indices = None
         if not all_logits:
             logits_indices = torch.tensor(query_lens, dtype=torch.long).cumsum(0) - 1  # last token of each
+        threads = 1 if len(token_ids) <= SINGLE_THREAD_MAX_TOKENS else self.max_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         return self.model.forward(torch.tensor(token_ids, dtype=torch.long),
                                   torch.tensor(positions, dtype=torch.long), meta, self.kv_caches, logits_indices)
