@@ -70,4 +70,5 @@ def test_fp8_forward_matches_float64_block_dequantised_reference(tiny_model_dir,
     ours = runner.forward([SequenceChunk(prompts[0], 0, [0, 1]), SequenceChunk(prompts[1], 0, [2])], all_logits=True)
     ref = torch.cat([reference(torch.tensor([p])).logits[0] for p in prompts]).float()
     err = (ours - ref).abs().max() / ref.abs().max()
-    assert err < 2e-2, f"relative error {err:.2e}"
+    # the issue asks for 2e-2; both backends reach ~1e-6 (float32 arithmetic on the same FP8 values)
+    assert err < 1e-4, f"relative error {err:.2e}"
