@@ -1,51 +1,79 @@
-"""`hybridmoe bench costmodel [--json PATH]`: the cost model's predictions next to measured times of our engine.
+"""`hybridmoe bench costmodel [--json PATH]`: predicted next to measured step times of our engine, in one run.
 
-In one run: profile this machine (quick; or --profile FILE), then for two model sizes - the demo model and a
-Qwen3-30B-A3B-shaped model with 2 layers of real dimensions and random bf16 weights (built on the fly, cached)
-- time a decode step (one sequence, 128 tokens cached) and CPU prefill of 128 and 512 tokens through the
-engine's ModelRunner, and predict each with the cost model on the measured profile. The prediction knows the
-model's shapes, the profile's rates and how many ops our forward launches (counted, not timed); it never sees
-the timings it is compared with.
+For two model sizes - the demo model and a Qwen3-30B-A3B-shaped model (2 layers of real dimensions, random bf16
+weights, built on the fly and cached) - the bench measures the tables the engine cost model reads
+(`placement.engine.EngineTables`: F.linear per weight shape and token count, elementwise ops, the engine's
+context attention at the model's head shape, the expert kernels per tokens per expert at the model's expert
+shape, and the engine's host cost on a minimal-width copy of the same architecture) and times a decode step
+(one sequence, 128 tokens cached) and CPU prefill of 128 and 512 tokens through the engine's ModelRunner. It
+does both in several rounds, so that tables and timings see the same load on a shared machine: each table
+entry is the median over rounds, each measured time the median of all timed steps (each round warms up
+first). `placement.engine.predict_step` then predicts every case from the tables and the model's config; it
+never sees the step timings.
 
-Reported per case: predicted_s, measured_s (median of repeats) and their ratio. Goal: within 15%. Machines
-shared with other jobs make both numbers noisy: the ratio is what to read.
+One thread for torch and the expert kernels by default (--threads): on a machine shared with other jobs every
+parallel op otherwise waits for a descheduled thread. The JSON rows say the threads and the load average.
+Legend: T tokens, C context, H hidden, E experts, K top-k, I expert intermediate.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from hybridmoe.placement import estimate
-from hybridmoe.placement.costmodel import CostModel
-from hybridmoe.placement.hardware import Machine, load_profile
-from hybridmoe.placement.modelspec import ModelSpec
-from hybridmoe.placement.passes import PassBuilder, Residency
+from hybridmoe.placement.engine import EngineTables, GridTable, predict_step
 
 DECODE_CONTEXT = 128
 PREFILLS = (128, 512)
 BLOCK = 16
 QWEN_SHAPE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                   num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8)
+# Measurement grids: widths and token counts in powers of 4 (the cases' shapes fall between points and are
+# interpolated); attention, whose cost bends where its score matrices leave the caches, in powers of 2.
+LINEAR_WIDTHS = (64, 256, 1024, 4096)
+LINEAR_TOKENS = (1, 4, 16, 64, 256, 1024)
+ELEMENTS = (64, 1024, 16384, 262144, 4194304)
+DECODE_CONTEXTS = tuple(2**i for i in range(2, 13))  # 4 .. 4096
+PREFILL_TOKENS = tuple(2**i for i in range(2, 11))  # 4 .. 1024
+EXPERT_TOKENS = (1, 4, 16, 64, 256)
+EXPERT_CALL_FLOPS = 4e9  # work per measured expert-kernel call: fewer experts per call at many tokens each
+SAMPLE_S = 0.01  # a timed run of a short op repeats it for about this long
+MAX_RUNS = 50  # timed runs of one measurement at most
+HOST_DECODE_CONTEXT, HOST_PREFILL_TOKENS = 16, 16  # where the minimal-width engine is timed
+TINY_WIDTH = 32  # every width of the minimal-width copy (head dims 16)
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("costmodel", help="cost-model predictions vs measured engine step times")
-    p.add_argument("--json", metavar="PATH", help="write [{name, predicted_s, measured_s}] to PATH")
-    p.add_argument("--profile", help="use this measured profile instead of profiling now")
+    p.add_argument("--json", metavar="PATH", help="write [{name, predicted_s, measured_s, ...}] to PATH")
+    p.add_argument("--tables", metavar="PATH",
+                   help="also write each model's measured tables and each case's routing counts to PATH")
+    p.add_argument("--models", metavar="DIR[,DIR]",
+                   help="bench these model directories instead of the demo and the Qwen3-shaped model")
     p.add_argument("--layers", type=int, default=2, help="layers of the Qwen3-30B-shaped model (default 2)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per case (median)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of (tables, then timed steps); tables are the median of the rounds (default 3)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed steps per case and round after a warm-up, at least (default 3); measured = the "
+                        "median of all rounds' steps")
+    p.add_argument("--case-seconds", type=float, default=1.0,
+                   help="keep timing a case's steps in a round until this long (default 1 s: fast cases get "
+                        "more steps)")
     p.add_argument("--cache", default=None, help="where to build the Qwen3-shaped model (default: user cache)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="threads for torch and the kernels, profile and engine alike (default: all CPUs; use 1 "
-                        "on a machine shared with other jobs, where idle threads wait at every barrier)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads for torch and the kernels, tables and engine alike (default 1: stable on a "
+                        "machine shared with other jobs)")
     p.set_defaults(func=run)
 
 
+# ---- models -------------------------------------------------------------------------------------------
 def qwen_shaped_model(layers: int, cache: Path | None = None, shape: dict | None = None) -> Path:
     """A Qwen3-30B-A3B-shaped checkpoint (real dimensions unless `shape` says otherwise, `layers` layers,
     random bf16 weights, one shard per layer, Hugging Face names), written once into the cache."""
@@ -91,14 +119,232 @@ def qwen_shaped_model(layers: int, cache: Path | None = None, shape: dict | None
     return out
 
 
+WIDTH_KEYS = {"hidden_size": TINY_WIDTH, "intermediate_size": TINY_WIDTH, "moe_intermediate_size": TINY_WIDTH,
+              "head_dim": 16, "kv_lora_rank": TINY_WIDTH, "q_lora_rank": TINY_WIDTH, "qk_nope_head_dim": 16,
+              "qk_rope_head_dim": 16, "v_head_dim": 16, "vocab_size": 320}
+DROPPED_KEYS = ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "auto_map",
+                "quantization_config", "bos_token_id", "eos_token_id", "pad_token_id", "qk_head_dim")
+
+
+def minimal_width_copy(model_dir: Path, out: Path) -> Path:
+    """The same architecture (layer kinds, head, expert and top-k counts, routing) with every width cut to
+    TINY_WIDTH (head dims 16), random weights stored in the model's dtype: where the engine's host cost shows."""
+    from transformers.utils import logging
+
+    from hybridmoe.checkpoint.synthetic import save_tiny_model
+
+    logging.disable_progress_bar()
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    params = {k: v for k, v in raw.items() if k not in DROPPED_KEYS}
+    params.update({k: min(v, raw[k]) for k, v in WIDTH_KEYS.items() if raw.get(k) is not None})
+    stored = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(raw.get("torch_dtype", raw.get("dtype")),
+                                                                        torch.float32)
+    return save_tiny_model(out, raw["model_type"], seed=0, dtype=stored, **params)
+
+
+# ---- timing -------------------------------------------------------------------------------------------
+def timed_runs(fn, min_repeats: int = 3, budget_s: float = 0.1) -> list[float]:
+    """Seconds of each timed run of fn: one warm-up, then at least min_repeats runs (more while within
+    budget_s, at most MAX_RUNS)."""
+    fn()
+    times: list[float] = []
+    while len(times) < min_repeats or (sum(times) < budget_s and len(times) < MAX_RUNS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median_s(fn, min_repeats: int = 3, budget_s: float = 0.1, calls: int = 1) -> float:
+    """Median seconds of one call, where one run of fn makes `calls` calls."""
+    return statistics.median(timed_runs(fn, min_repeats, budget_s)) / calls
+
+
+def last_level_cache_bytes() -> int:
+    """Size of this CPU's largest cache (sysfs), 32 MiB when unknown."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+            sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20}[text[-1]] if text[-1] in "KM" else int(text))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=32 * 2**20)
+
+
+# ---- tables ---------------------------------------------------------------------------------------------
+def measure_linear(dtype: torch.dtype) -> GridTable:
+    """Seconds of F.linear(x [T, cols], W [rows, cols]) on the LINEAR_* grid, the weights rotated through twice
+    the last-level cache (as a model's weights stream from memory): each timed run calls the next weights of the
+    pool, enough of them for about SAMPLE_S."""
+    pool = torch.randn(2 * last_level_cache_bytes() // dtype.itemsize, dtype=dtype)
+    seconds = np.zeros((len(LINEAR_WIDTHS), len(LINEAR_WIDTHS), len(LINEAR_TOKENS)))
+    for i, rows in enumerate(LINEAR_WIDTHS):
+        for j, cols in enumerate(LINEAR_WIDTHS):
+            size = rows * cols
+            weights = [pool[k * size:(k + 1) * size].view(rows, cols) for k in range(max(1, pool.numel() // size))]
+            for k, tokens in enumerate(LINEAR_TOKENS):
+                x = torch.randn(tokens, cols, dtype=dtype)
+                rotation = _Rotation(weights, lambda w: torch.nn.functional.linear(x, w))
+                seconds[i, j, k] = median_s(rotation, calls=rotation.calls)
+    return GridTable((LINEAR_WIDTHS, LINEAR_WIDTHS, LINEAR_TOKENS), seconds)
+
+
+class _Rotation:
+    """Calls op(w) for the next `calls` items of a pool, cyclically; `calls` makes one run about SAMPLE_S."""
+
+    def __init__(self, pool: list, op):
+        self.pool, self.op, self.cursor = pool, op, 0
+        start = time.perf_counter()
+        op(pool[0])
+        once = time.perf_counter() - start
+        self.calls = int(min(len(pool), max(1, SAMPLE_S // max(once, 1e-7))))
+
+    def __call__(self) -> None:
+        for _ in range(self.calls):
+            self.op(self.pool[self.cursor])
+            self.cursor = (self.cursor + 1) % len(self.pool)
+
+
+def measure_elementwise(dtype: torch.dtype) -> GridTable:
+    """Seconds of one elementwise product (a new tensor, as the engine's ops make) against element count."""
+    seconds = []
+    for n in ELEMENTS:
+        a, b = torch.randn(n, dtype=dtype), torch.randn(n, dtype=dtype)
+        calls = max(1, 2**16 // n)
+        seconds.append(median_s(lambda: [a * b for _ in range(calls)], calls=calls))
+    return GridTable((ELEMENTS,), np.array(seconds))
+
+
+def measure_attention(config, dtype: torch.dtype) -> tuple[GridTable, GridTable]:
+    """The engine's context attention of one sequence (paged-cache gather + attend + output copy, as in
+    layers/attention_*.py) at the model's head shape: (one query against C keys, a chunk of T queries from 0)."""
+    from hybridmoe.layers.paged_attention import attend, gather_context
+
+    a = config.attention
+    if a.kind == "mla":  # one shared latent "head": keys are latent + rope key, values the latent
+        heads, kv_heads, key_dim, value_dim, window = a.num_heads, 1, a.kv_lora_rank + a.qk_rope_head_dim, \
+            a.kv_lora_rank, None
+    else:
+        heads, kv_heads, key_dim, value_dim, window = a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim, \
+            a.sliding_window
+    blocks = -(-max(DECODE_CONTEXTS + PREFILL_TOKENS) // BLOCK)
+    table = torch.arange(blocks)
+    cache = torch.randn(2, blocks, BLOCK, kv_heads, key_dim, dtype=dtype)
+
+    def call(queries: int, context: int):
+        q = torch.randn(queries, heads, key_dim, dtype=dtype)
+        out = torch.empty(queries, heads, value_dim, dtype=dtype)
+
+        def body():
+            k = gather_context(cache[0], table, context)  # [C, Nk, D]
+            v = k[..., :value_dim] if a.kind == "mla" else gather_context(cache[1], table, context)
+            out[0:queries] = attend(q, k, v, a.softmax_scale, window)
+        return median_s(body)
+
+    decode = [call(1, c) for c in DECODE_CONTEXTS]
+    prefill = [call(t, t) for t in PREFILL_TOKENS]
+    return GridTable((DECODE_CONTEXTS,), np.array(decode)), GridTable((PREFILL_TOKENS,), np.array(prefill))
+
+
+def measure_experts(moe, dtype: torch.dtype) -> GridTable:
+    """Seconds per active expert of one call of a layer's expert kernels (`moe`: the engine's FusedMoE, its
+    own weights) against tokens per expert; each call gives t tokens to each of n experts, the experts rotate
+    between calls (cold, as in a model), and the fixed cost of a call (a 16x16 expert, one token) is left out."""
+    from hybridmoe.kernels.moe import FusedMoE
+
+    tiny = FusedMoE("f32", [torch.randn(16, 16)], [torch.randn(16, 16)], [torch.randn(16, 16)],
+                    hidden_size=16, intermediate_size=16)
+    one = torch.zeros(1, 1, dtype=torch.int64)
+    fixed = median_s(lambda: tiny(torch.randn(1, 16), one, torch.ones(1, 1)), min_repeats=20)
+    E, H, I = moe.num_experts, moe.hidden_size, moe.intermediate_size
+    per_expert = []
+    for t in EXPERT_TOKENS:
+        n = int(min(E, max(1, EXPERT_CALL_FLOPS // (6 * H * I * t))))
+        x = torch.randn(n * t, H, dtype=dtype)
+        weights = torch.ones(n * t, 1)
+        offset = [0]
+
+        def call():
+            ids = ((torch.arange(n) + offset[0]) % E).repeat_interleave(t)[:, None]
+            offset[0] += n
+            moe(x, ids, weights)
+        per_expert.append(max(1e-9, (median_s(call, budget_s=0.3) - fixed) / n))
+    return GridTable((EXPERT_TOKENS,), np.array(per_expert))
+
+
+def measure_host(model) -> dict[str, dict[str, float]]:
+    """The engine's step time on `model` (a minimal-width copy, see minimal_width_copy) with no layers, only its
+    dense layers and only its MoE layers: host cost per step and per layer kind, for decode and prefill."""
+    from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
+
+    runner = ModelRunner(model, 4, BLOCK)
+    table = list(range(4))
+    tokens = list(range(3, 3 + HOST_PREFILL_TOKENS))
+    layers = model.layers
+    kinds = {"dense_layer": [l for l, moe in zip(layers, model.config.moe_layers) if not moe],
+             "moe_layer": [l for l, moe in zip(layers, model.config.moe_layers) if moe]}
+    steps = {"decode": lambda: runner.forward([SequenceChunk(tokens[:1], HOST_DECODE_CONTEXT, table)]),
+             "prefill": lambda: runner.forward([SequenceChunk(tokens, 0, table)])}
+    host: dict[str, dict[str, float]] = {}
+    try:
+        with torch.inference_mode():
+            runner.forward([SequenceChunk(tokens, 0, table)])  # fill the cache the decode step reads
+            for kind, step in steps.items():
+                model.layers = []
+                base = median_s(step, min_repeats=30, budget_s=0.3)
+                host[kind] = {"step": base}
+                for part, subset in kinds.items():
+                    model.layers = subset
+                    host[kind][part] = (median_s(step, min_repeats=30, budget_s=0.3) - base) / len(subset) \
+                        if subset else 0.0
+    finally:
+        model.layers = layers
+    return host
+
+
+class ModelBench:
+    """One model in our engine (its timed cases) and its minimal-width copy (its host cost), both loaded."""
+
+    def __init__(self, model_dir: Path, scratch: Path):
+        from hybridmoe.models.loader import load_model
+
+        self.model_dir = model_dir
+        self.case = EngineCase(model_dir)
+        self.tiny = load_model(minimal_width_copy(model_dir, scratch), "auto", "cpu", show_progress=False)
+        self.cases = [("decode", 1, DECODE_CONTEXT, f"decode(ctx={DECODE_CONTEXT})")]
+        self.cases += [("prefill", n, 0, f"prefill({n})") for n in PREFILLS]
+
+    def tables(self, linear: GridTable, elementwise: GridTable) -> EngineTables:
+        """Every table `predict_step` reads for this model, on this machine, now."""
+        from hybridmoe.layers.moe.block import MoEBlock
+
+        model = self.case.model
+        decode, prefill = measure_attention(model.config, model.dtype)
+        moe = next(l.mlp.experts.moe for l in model.layers if isinstance(l.mlp, MoEBlock))
+        return EngineTables(
+            linear=linear, elementwise=elementwise, attention_decode=decode, attention_prefill=prefill,
+            experts=measure_experts(moe, model.dtype), host=measure_host(self.tiny),
+            threads=torch.get_num_threads(), compute_dtype=str(model.dtype).removeprefix("torch."),
+            notes={"linear": f"F.linear, weights rotated through {2 * last_level_cache_bytes() >> 20} MiB",
+                   "attention": "the engine's paged-cache gather + attend at the model's head shape",
+                   "experts": f"the engine's FusedMoE ({moe.fmt}, H={moe.hidden_size}, I={moe.intermediate_size}), "
+                              "seconds per active expert",
+                   "host": f"the engine on a copy of the architecture at width {TINY_WIDTH}"})
+
+    def time_cases(self, repeats: int, seconds: float) -> dict[str, list[float]]:
+        return {name: self.case.times(kind, tokens, context, repeats, seconds)
+                for kind, tokens, context, name in self.cases}
+
+
 class EngineCase:
-    """One model loaded into our engine's runner, with a KV cache for the longest case."""
+    """One model loaded into our engine's runner (default compute dtype), with a KV cache for the longest case."""
 
     def __init__(self, model_dir: Path):
         from hybridmoe.models.loader import load_model
         from hybridmoe.runtime.model_runner import ModelRunner
 
-        self.model = load_model(model_dir, "bfloat16", "cpu", show_progress=False)
+        self.model = load_model(model_dir, "auto", "cpu", show_progress=False)
         self.config = self.model.config
         blocks = -(-(max(PREFILLS) + DECODE_CONTEXT + 64) // BLOCK)
         self.runner = ModelRunner(self.model, blocks, BLOCK)
@@ -113,109 +359,90 @@ class EngineCase:
         return [SequenceChunk(self.tokens[start:start + length], start, self.table)]
 
     @torch.inference_mode()
-    def prefill_s(self, tokens: int, repeats: int) -> tuple[float, int]:
-        run = lambda: self.runner.forward(self.chunk(0, tokens))
-        ops = count_aten_ops(run)
-        return _median(run, repeats), ops
+    def routing(self, kind: str, tokens: int, context: int) -> list[list[int]]:
+        """Per MoE layer, how many (token, expert) pairs each expert gets in the step (one untimed step with
+        the router's choices counted; the observers are removed again, timed steps run without them)."""
+        from hybridmoe.layers.moe.block import MoEBlock
+
+        if kind == "decode":
+            self.runner.forward(self.chunk(0, context))  # fill the cache
+        routed: list[torch.Tensor] = []  # topk_ids [T, K] per MoE layer
+        blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
+        for block in blocks:
+            block.routing_observers.append(routed.append)
+        try:
+            self.runner.forward(self.chunk(context, 1) if kind == "decode" else self.chunk(0, tokens))
+        finally:
+            for block in blocks:
+                block.routing_observers.remove(routed.append)
+        return [torch.bincount(ids.flatten(), minlength=self.config.moe.num_experts).tolist() for ids in routed]
 
     @torch.inference_mode()
-    def decode_s(self, context: int, repeats: int) -> tuple[float, int]:
-        self.runner.forward(self.chunk(0, context))  # fill the cache
-        run = lambda: self.runner.forward(self.chunk(context, 1))
-        ops = count_aten_ops(run)
-        return _median(run, repeats), ops
-
-
-def count_aten_ops(fn) -> int:
-    """How many aten ops one call of fn dispatches (a count of the implementation, not a timing)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Counter(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    with Counter():
-        fn()
-    return Counter.ops
-
-
-def profile_now(threads: int, out: Path) -> Path:
-    """Run `hybridmoe profile --quick` in a child process (the same command a user runs) with `threads`."""
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "hybridmoe.cli", "profile", "--quick", "--formats", "bf16", "--threads",
-           str(threads), "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"hybridmoe profile failed: {done.stderr.strip()[-500:]}")
-    return out
-
-
-def _median(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def predict(machine: Machine, config, kind: str, tokens: int, ops: int) -> float:
-    """The cost model for our engine on this machine: every non-expert part on the accelerator stand-in (torch),
-    routed experts on the CPU kernels, MLA in the absorbed form the engine uses."""
-    spec = ModelSpec(config, "bench")
-    cost = CostModel(machine, spec, "bf16", "bf16", mla_form="absorbed")
-    builder = PassBuilder(cost, Residency.all_but_experts(len(spec.layers), len(spec.moe_layers)), ops_per_step=ops)
-    if kind == "decode":
-        return estimate.decode(builder, 1, tokens).step_s
-    return estimate.prefill(builder, "hybrid", tokens).ttft_s
+    def times(self, kind: str, tokens: int, context: int, repeats: int, seconds: float) -> list[float]:
+        """Seconds of each timed step after a warm-up (at least `repeats`, more until `seconds` have passed, at
+        most MAX_RUNS): a decode step after `context` cached tokens, or a prefill of `tokens` tokens from 0."""
+        if kind == "decode":
+            self.runner.forward(self.chunk(0, context))  # fill the cache
+            return timed_runs(lambda: self.runner.forward(self.chunk(context, 1)), repeats, seconds)
+        return timed_runs(lambda: self.runner.forward(self.chunk(0, tokens)), repeats, seconds)
 
 
 def run(args) -> int:
-    import os
-
     from hybridmoe.checkpoint.default_model import default_model_dir
     from hybridmoe.kernels import isa
+    from hybridmoe.models.loader import resolve_dtype
 
-    threads = args.threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
-    isa.configure_threads(threads)
-    if args.profile:
-        profile = load_profile(args.profile)
+    torch.set_num_threads(args.threads)
+    isa.configure_threads(args.threads)
+    dtype = resolve_dtype("auto")
+    if args.models:
+        models = {Path(d).name: Path(d) for d in args.models.split(",") if d.strip()}
     else:
-        import tempfile
-
-        print("profiling this machine (hybridmoe profile --quick) ...", flush=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            profile = load_profile(profile_now(threads, Path(tmp) / "profile.json"))
-    machine = Machine(profile.name, profile.cpu, profile.gpu, 1)
-    models = {"demo": Path(default_model_dir()),
-              f"qwen3-30b-a3b-{args.layers}l": qwen_shaped_model(args.layers, Path(args.cache) if args.cache else None)}
-    rows = []
-    for label, model_dir in models.items():
-        print(f"loading {label} ...", flush=True)
-        case = EngineCase(model_dir)
-        measured = {f"decode(ctx={DECODE_CONTEXT})": ("decode", DECODE_CONTEXT, *case.decode_s(DECODE_CONTEXT,
-                                                                                                args.repeats))}
-        for n in PREFILLS:
-            measured[f"prefill({n})"] = ("prefill", n, *case.prefill_s(n, args.repeats))
-        for name, (kind, tokens, seconds, ops) in measured.items():
-            predicted = predict(machine, case.config, kind, tokens, ops)
-            rows.append({"name": f"{label} {name}", "predicted_s": predicted, "measured_s": seconds,
-                         "ratio": predicted / seconds, "ops": ops})
-        del case
-    width = max(len(r["name"]) for r in rows)
-    print(f"{'case'.ljust(width)}  predicted s  measured s  predicted/measured")
-    for r in rows:
-        print(f"{r['name'].ljust(width)}  {r['predicted_s']:11.5f}  {r['measured_s']:10.5f}  {r['ratio']:18.2f}")
-    within = sum(abs(r["ratio"] - 1) <= 0.15 for r in rows)
-    print(f"{within} of {len(rows)} cases within 15% ({threads} threads; profile: {profile.description})")
+        models = {"demo": Path(default_model_dir()), f"qwen3-30b-a3b-{args.layers}l":
+                  qwen_shaped_model(args.layers, Path(args.cache) if args.cache else None)}
+    rounds: dict[str, list[EngineTables]] = {label: [] for label in models}
+    times: dict[str, dict[str, list[float]]] = {label: {} for label in models}
+    loads: list[float] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        print(f"loading {', '.join(models)} and their minimal-width copies ...", flush=True)
+        benches = {label: ModelBench(d, Path(scratch) / label) for label, d in models.items()}
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}: tables and steps ({args.threads} thread(s), {dtype}) ...", flush=True)
+        loads.append(os.getloadavg()[0])
+        linear, elementwise = measure_linear(dtype), measure_elementwise(dtype)
+        for label, bench in benches.items():
+            rounds[label].append(bench.tables(linear, elementwise))
+            for name, runs in bench.time_cases(args.repeats, args.case_seconds).items():
+                times[label].setdefault(name, []).extend(runs)
+    loads.append(os.getloadavg()[0])
+    rows, tables = [], {}
+    for label, bench in benches.items():
+        tables[label] = {"tables": EngineTables.median(rounds[label]).to_json(), "routing": {}}
+        for kind, tokens, context, name in bench.cases:
+            routing = tables[label]["routing"][name] = bench.case.routing(kind, tokens, context)
+            predicted = predict_step(bench.case.config, EngineTables.from_json(tables[label]["tables"]), kind,
+                                     tokens, context, routing)
+            measured = statistics.median(times[label][name])
+            rows.append({"name": f"{label} {name}", "predicted_s": predicted.seconds, "measured_s": measured,
+                         "ratio": predicted.seconds / measured, "threads": args.threads,
+                         "timed_runs": len(times[label][name]), "load_average_1min": loads,
+                         "predicted_parts_s": predicted.parts})
+    _print(rows)
     if args.json:
-        Path(args.json).write_text(json.dumps([{k: r[k] for k in ("name", "predicted_s", "measured_s")}
-                                               for r in rows], indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    if args.tables:
+        Path(args.tables).write_text(json.dumps(tables, indent=2) + "\n")
     return 0
+
+
+def _print(rows: list[dict]) -> None:
+    width = max(len(r["name"]) for r in rows)
+    parts = list(rows[0]["predicted_parts_s"])
+    print(f"{'case'.ljust(width)}  predicted s  measured s  ratio  " + "  ".join(f"{p:>11}" for p in parts))
+    for r in rows:
+        print(f"{r['name'].ljust(width)}  {r['predicted_s']:11.5f}  {r['measured_s']:10.5f}  {r['ratio']:5.2f}  "
+              + "  ".join(f"{r['predicted_parts_s'][p]:11.5f}" for p in parts))
+    within = sum(abs(r["ratio"] - 1) <= 0.15 for r in rows)
+    loads = ", ".join(f"{v:.1f}" for v in rows[0]["load_average_1min"])
+    print(f"{within} of {len(rows)} cases within 15% ({rows[0]['threads']} thread(s) for torch and the kernels; "
+          f"load average at each round's start and at the end: {loads})")

@@ -21,7 +21,6 @@ import threading
 import time
 from pathlib import Path
 
-from hybridmoe.bench.costmodel import count_aten_ops
 from hybridmoe.commands.plan import DEFAULT_PROFILE
 
 EXPERT_SHAPE = (2048, 768)  # (H, I): Qwen3-30B-A3B's routed experts
@@ -49,6 +48,22 @@ def best_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def count_aten_ops(fn) -> int:
+    """How many aten ops one call of fn dispatches (a count of the implementation, not a timing)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        fn()
+    return Counter.ops
 
 
 def measured(value: float, what: str) -> dict:
