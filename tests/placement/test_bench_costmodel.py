@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -62,14 +63,14 @@ def test_bench_writes_a_row_per_case_predicted_from_the_tables_it_wrote(tiny_mod
     """Small grids keep this to seconds; the schema and the link prediction <- tables are what is checked."""
     from hybridmoe.cli import main
 
-    for name, grid in (("LINEAR_WIDTHS", (64, 256)), ("LINEAR_TOKENS", (1, 16, 256)), ("ELEMENTS", (64, 4096)),
+    for name, grid in (("LINEAR_TOKENS", (1, 16, 256)), ("ELEMENTS", (64, 4096)),
                        ("DECODE_CONTEXTS", (4, 64, 256)), ("PREFILL_TOKENS", (4, 64, 512)),
                        ("EXPERT_TOKENS", (1, 16, 256))):
         monkeypatch.setattr(bench, name, grid)
     monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: 2**20)
     models = [tiny_model_dir("deepseek_v3"), qwen_shaped_model(1, tmp_path, shape=MINI)]
     out, tables_out = tmp_path / "rows.json", tmp_path / "tables.json"
-    assert main(["bench", "costmodel", "--models", ",".join(map(str, models)), "--rounds", "1", "--repeats", "1",
+    assert main(["bench", "costmodel", "--models", ",".join(map(str, models)), "--rounds", "2", "--repeats", "1",
                  "--case-seconds", "0", "--json", str(out), "--tables", str(tables_out)]) == 0
     assert "cases within 15%" in capsys.readouterr().out
     rows, tables = json.loads(out.read_text()), json.loads(tables_out.read_text())
@@ -78,13 +79,17 @@ def test_bench_writes_a_row_per_case_predicted_from_the_tables_it_wrote(tiny_mod
     for row in rows:
         assert row["predicted_s"] > 0 and row["measured_s"] > 0 and math.isfinite(row["predicted_s"])
         assert row["ratio"] == pytest.approx(row["predicted_s"] / row["measured_s"])
-        assert row["threads"] == 1 and row["timed_runs"] == 1 and len(row["load_average_1min"]) == 2
+        assert row["threads"] == 1 and len(row["load_average_1min"]) == 3 and len(row["rounds"]) == 2
         assert set(row["predicted_parts_s"]) == set(COST_PARTS)
         assert sum(row["predicted_parts_s"].values()) == pytest.approx(row["predicted_s"])
+        assert row["measured_s"] == pytest.approx(statistics.median(r["measured_s"] for r in row["rounds"]))
         label, case = row["name"].split(" ", 1)
-        measured = EngineTables.from_json(tables[label]["tables"])
-        assert measured.threads == 1 and measured.compute_dtype in ("float32", "bfloat16")
         kind, tokens, context = ("decode", 1, 128) if case.startswith("decode") else ("prefill", int(case[8:-1]), 0)
         config = load_config(next(m for m in models if m.name == label))
-        again = predict_step(config, measured, kind, tokens, context, tables[label]["routing"][case])
-        assert again.seconds == row["predicted_s"]
+        again = []
+        for written in tables[label]["rounds"]:
+            measured = EngineTables.from_json(written)
+            assert measured.threads == 1 and measured.compute_dtype in ("float32", "bfloat16")
+            again.append(predict_step(config, measured, kind, tokens, context, tables[label]["routing"][case]).seconds)
+        assert again == [r["predicted_s"] for r in row["rounds"]]
+        assert row["predicted_s"] == sorted(again)[0]  # the lower median of two rounds

@@ -4,12 +4,14 @@ floor, computed from the tables (checked against sums written out by hand from t
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from hybridmoe.placement.engine import (EngineTables, GridTable, engine_ops, expected_distinct_experts,
-                                        predict_step)
+                                        predict_step, weight_shapes)
 from hybridmoe.placement.modelspec import resolve_model
 
 RNG = np.random.default_rng(7)
@@ -20,12 +22,16 @@ def power_table(axes, exponents, scale):
     return GridTable(tuple(tuple(a) for a in axes), scale * np.prod([g**p for g, p in zip(grids, exponents)], axis=0))
 
 
-def random_tables() -> EngineTables:
-    """Tables of fresh random power laws (each its own random scale and exponents)."""
+def random_tables(config) -> EngineTables:
+    """Tables of fresh random power laws (each its own random scale and exponents), F.linear for every weight
+    shape of `config`."""
     r = lambda lo, hi: float(RNG.uniform(lo, hi))
     return EngineTables(
-        linear=power_table(((64, 256, 1024, 4096), (64, 256, 1024, 4096), (1, 4, 16, 64, 256, 1024)),
-                           (r(0.8, 1.0), r(0.8, 1.0), r(0.3, 0.9)), r(1e-9, 1e-8)),
+        linear={shape: power_table(((1, 4, 16, 64, 256, 1024),), (r(0.3, 0.9),), np.prod(shape) * r(1e-9, 1e-8))
+                for shape in weight_shapes(config) if len(shape) == 2},
+        linear_floor=r(1e-6, 3e-6),
+        batched={shape: power_table(((1, 4, 16, 64, 256, 1024),), (r(0.3, 0.9),), np.prod(shape) * r(1e-9, 1e-8))
+                 for shape in weight_shapes(config) if len(shape) == 3},
         elementwise=power_table(((64, 1024, 16384, 262144),), (r(0.5, 1.0),), r(1e-8, 1e-7)),
         attention_decode=power_table(((4, 16, 64, 256, 1024),), (r(0.5, 1.0),), r(1e-6, 1e-5)),
         attention_prefill=power_table(((4, 16, 64, 256, 1024),), (r(1.2, 2.0),), r(1e-7, 1e-6)),
@@ -55,23 +61,25 @@ def test_bad_tables_are_clear_errors():
         GridTable(((1.0, 2.0),), np.array([1.0, 0.0]))
     with pytest.raises(ValueError, match="2 axes, got 1"):
         power_table(((1, 2), (1, 2)), (1, 1), 1.0)(1.5)
-    good = random_tables()
+    good = random_tables(resolve_model("qwen3-30b-a3b"))
     with pytest.raises(ValueError, match="host costs of prefill lack moe_layer"):
-        EngineTables(good.linear, good.elementwise, good.attention_decode, good.attention_prefill, good.experts,
-                     {"decode": good.host["decode"], "prefill": {"step": 1.0, "dense_layer": 1.0}}, 1, "float32")
+        EngineTables(good.linear, good.linear_floor, good.batched, good.elementwise, good.attention_decode, good.attention_prefill,
+                     good.experts, {"decode": good.host["decode"], "prefill": {"step": 1.0, "dense_layer": 1.0}}, 1,
+                     "float32")
     with pytest.raises(ValueError, match="experts: not a measured table"):
         EngineTables.from_json({**good.to_json(), "experts": {"axes": [[1, 2]]}})
+    with pytest.raises(ValueError, match="no F.linear measured for a 1536x7168 weight .measured: 128x2048"):
+        predict_step(resolve_model("deepseek-v3"), good, "prefill", 16)
 
 
-def test_tables_survive_json_and_rounds_take_the_median_entry_by_entry():
-    rounds = [random_tables() for _ in range(3)]
-    rounds = [EngineTables(**{**t.__dict__, "linear": rounds[0].linear}) for t in rounds]  # one grid per table
-    back = EngineTables.from_json(rounds[1].to_json())
-    assert np.array_equal(back.experts.seconds, rounds[1].experts.seconds) and back.host == rounds[1].host
-    median = EngineTables.median(rounds)
-    expected = np.median([t.attention_prefill.seconds for t in rounds], axis=0)
-    assert np.array_equal(median.attention_prefill.seconds, expected)
-    assert median.host["decode"]["moe_layer"] == np.median([t.host["decode"]["moe_layer"] for t in rounds])
+def test_tables_survive_json():
+    t = random_tables(resolve_model("deepseek-v3"))
+    back = EngineTables.from_json(json.loads(json.dumps(t.to_json())))
+    assert back.host == t.host and back.linear_floor == t.linear_floor and back.threads == t.threads
+    for name in EngineTables.TABLES:
+        assert np.array_equal(getattr(back, name).seconds, getattr(t, name).seconds)
+    for mine, theirs in ((back.linear, t.linear), (back.batched, t.batched)):
+        assert mine.keys() == theirs.keys() and all(np.array_equal(mine[k].seconds, theirs[k].seconds) for k in mine)
 
 
 # ---- the prediction is the sum of the engine's ops at the tables' rates --------------------------------------
@@ -80,12 +88,12 @@ def test_qwen3_step_is_host_plus_each_op_above_its_floor(tokens):
     """Written out by hand from Qwen3-30B-A3B's config: every linear, the attention, the experts (uniform
     routing and counted routing), against the same random tables."""
     config = resolve_model("qwen3-30b-a3b")
-    t = random_tables()
+    t = random_tables(config)
     kind, context = ("decode", 127) if tokens == 1 else ("prefill", 0)
     seq = context + tokens
     H, V, E, K = config.hidden_size, config.vocab_size, config.moe.num_experts, config.moe.num_experts_per_tok
     N, Nk, D, L = 32, 4, 128, config.num_layers
-    above = t.linear.above_floor
+    above = t.linear_s
     linear = L * (above(N * D, H, tokens) + 2 * above(Nk * D, H, tokens) + above(H, N * D, tokens)
                   + above(E, H, tokens)) + above(V, H, 1)
     attention = L * (t.attention_decode.above_floor(seq) if kind == "decode" else
@@ -109,20 +117,27 @@ def test_qwen3_step_is_host_plus_each_op_above_its_floor(tokens):
 
 
 def test_each_part_follows_its_own_table():
+    """Tripling one kind of table (its floor with it) triples exactly its part of the prediction."""
     config = resolve_model("deepseek-v3")
-    t = random_tables()
+    t = random_tables(config)
     base = predict_step(config, t, "prefill", 256)
-    for name, part in (("linear", "linear"), ("attention_prefill", "attention"), ("experts", "experts"),
-                       ("elementwise", "elementwise")):
-        table = getattr(t, name)
-        scaled = EngineTables(**{**t.__dict__, name: GridTable(table.axes, table.seconds * 3)})
-        got = predict_step(config, scaled, "prefill", 256)
+    triple = lambda g: GridTable(g.axes, g.seconds * 3)
+    variants = {
+        "linear": {"linear": {k: triple(g) for k, g in t.linear.items()}, "linear_floor": 3 * t.linear_floor,
+                   "batched": {k: triple(g) for k, g in t.batched.items()}},
+        "attention": {"attention_prefill": triple(t.attention_prefill)},
+        "experts": {"experts": triple(t.experts)},
+        "elementwise": {"elementwise": triple(t.elementwise)},
+    }
+    for part, changes in variants.items():
+        got = predict_step(config, EngineTables(**{**t.__dict__, **changes}), "prefill", 256)
         for other, seconds in base.parts.items():
-            assert got.parts[other] == pytest.approx(seconds * (3 if other == part else 1), rel=1e-12), (name, other)
+            assert got.parts[other] == pytest.approx(seconds * (3 if other == part else 1), rel=1e-12), (part, other)
 
 
 def test_bad_steps_are_clear_errors():
-    config, t = resolve_model("qwen3-30b-a3b"), random_tables()
+    config = resolve_model("qwen3-30b-a3b")
+    t = random_tables(config)
     with pytest.raises(ValueError, match="one new token"):
         predict_step(config, t, "decode", 4, 100)
     with pytest.raises(ValueError, match="kind must be"):
@@ -190,5 +205,6 @@ def test_listed_matmuls_are_the_ones_our_engine_runs(tiny_model_dir, model_type,
     assert listed == linears
     assert sorted(tuple(int(v) for v in op.shape) for op in ops if op.kind == "batched_linear") == einsums
     assert sum(op.count for op in ops if op.kind == "attention") == attention == model.config.num_layers
+    assert weight_shapes(model.config) == sorted({s[:2] for s in linears}) + sorted({s[:3] for s in einsums})
     moe_layers = sum(model.config.moe_layers)
     assert sum(1 for op in ops if op.kind == "experts") == moe_layers

@@ -2,14 +2,16 @@
 
 For two model sizes - the demo model and a Qwen3-30B-A3B-shaped model (2 layers of real dimensions, random bf16
 weights, built on the fly and cached) - the bench measures the tables the engine cost model reads
-(`placement.engine.EngineTables`: F.linear per weight shape and token count, elementwise ops, the engine's
-context attention at the model's head shape, the expert kernels per tokens per expert at the model's expert
-shape, and the engine's host cost on a minimal-width copy of the same architecture) and times a decode step
-(one sequence, 128 tokens cached) and CPU prefill of 128 and 512 tokens through the engine's ModelRunner. It
-does both in several rounds, so that tables and timings see the same load on a shared machine: each table
-entry is the median over rounds, each measured time the median of all timed steps (each round warms up
-first). `placement.engine.predict_step` then predicts every case from the tables and the model's config; it
-never sees the step timings.
+(`placement.engine.EngineTables`: F.linear at each of the model's weight shapes against token count,
+elementwise ops, the engine's context attention at the model's head shape, the expert kernels per tokens per
+expert at the model's expert shape and top-k, and the engine's host cost on a minimal-width copy of the same
+architecture) and times a decode step
+(one sequence, 128 tokens cached) and CPU prefill of 128 and 512 tokens through the engine's ModelRunner
+(median of the timed steps after a warm-up). On a shared machine the speed of the same op drifts by tens of
+percent within minutes, so it does both in several short rounds, each model's tables right before its steps:
+each round's `placement.engine.predict_step` reads that round's tables (and the model's config, and the
+case's routing counted once from the router's choices); it never sees the step timings. Reported: the median
+over rounds of the predictions and of the measured times, and every round's pair.
 
 One thread for torch and the expert kernels by default (--threads): on a machine shared with other jobs every
 parallel op otherwise waits for a descheduled thread. The JSON rows say the threads and the load average.
@@ -28,17 +30,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridmoe.placement.engine import EngineTables, GridTable, predict_step
+from hybridmoe.placement.engine import EngineTables, GridTable, predict_step, weight_shapes
 
 DECODE_CONTEXT = 128
 PREFILLS = (128, 512)
 BLOCK = 16
 QWEN_SHAPE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                   num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8)
-# Measurement grids: widths and token counts in powers of 4 (the cases' shapes fall between points and are
+# Measurement grids: token counts in powers of 4 (the cases' token counts fall between points and are
 # interpolated); attention, whose cost bends where its score matrices leave the caches, in powers of 2.
-LINEAR_WIDTHS = (64, 256, 1024, 4096)
 LINEAR_TOKENS = (1, 4, 16, 64, 256, 1024)
+LINEAR_MAX_FLOPS = 2e10  # F.linear is timed at token counts up to this much work (beyond: proportional)
 ELEMENTS = (64, 1024, 16384, 262144, 4194304)
 DECODE_CONTEXTS = tuple(2**i for i in range(2, 13))  # 4 .. 4096
 PREFILL_TOKENS = tuple(2**i for i in range(2, 11))  # 4 .. 1024
@@ -58,10 +60,10 @@ def register(subparsers) -> None:
     p.add_argument("--models", metavar="DIR[,DIR]",
                    help="bench these model directories instead of the demo and the Qwen3-shaped model")
     p.add_argument("--layers", type=int, default=2, help="layers of the Qwen3-30B-shaped model (default 2)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="rounds of (tables, then timed steps); tables are the median of the rounds (default 3)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="timed steps per case and round after a warm-up, at least (default 3); measured = the "
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of (tables, then timed steps); tables are the median of the rounds (default 5)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timed steps per case and round after a warm-up, at least (default 2); measured = the "
                         "median of all rounds' steps")
     p.add_argument("--case-seconds", type=float, default=1.0,
                    help="keep timing a case's steps in a round until this long (default 1 s: fast cases get "
@@ -173,21 +175,68 @@ def last_level_cache_bytes() -> int:
 
 
 # ---- tables ---------------------------------------------------------------------------------------------
-def measure_linear(dtype: torch.dtype) -> GridTable:
-    """Seconds of F.linear(x [T, cols], W [rows, cols]) on the LINEAR_* grid, the weights rotated through twice
-    the last-level cache (as a model's weights stream from memory): each timed run calls the next weights of the
-    pool, enough of them for about SAMPLE_S."""
-    pool = torch.randn(2 * last_level_cache_bytes() // dtype.itemsize, dtype=dtype)
-    seconds = np.zeros((len(LINEAR_WIDTHS), len(LINEAR_WIDTHS), len(LINEAR_TOKENS)))
-    for i, rows in enumerate(LINEAR_WIDTHS):
-        for j, cols in enumerate(LINEAR_WIDTHS):
-            size = rows * cols
-            weights = [pool[k * size:(k + 1) * size].view(rows, cols) for k in range(max(1, pool.numel() // size))]
-            for k, tokens in enumerate(LINEAR_TOKENS):
-                x = torch.randn(tokens, cols, dtype=dtype)
-                rotation = _Rotation(weights, lambda w: torch.nn.functional.linear(x, w))
-                seconds[i, j, k] = median_s(rotation, calls=rotation.calls)
-    return GridTable((LINEAR_WIDTHS, LINEAR_WIDTHS, LINEAR_TOKENS), seconds)
+def measure_linear(shapes: list[tuple[int, int]], dtype: torch.dtype,
+                   pool_bytes: int) -> tuple[dict[tuple[int, int], GridTable], float]:
+    """Seconds of F.linear(x [T, cols], W [rows, cols]) for each weight shape against LINEAR_TOKENS (those
+    within LINEAR_MAX_FLOPS), the weights rotated through `pool_bytes` of copies (or one, if larger): each
+    timed run calls the next weights of the pool, enough of them for about SAMPLE_S. Also the fixed cost of
+    one call (a 16x16 weight, one token)."""
+    pool = torch.randn(max(pool_bytes, 1) // dtype.itemsize, dtype=dtype)
+    tables = {}
+    for rows, cols in shapes:
+        size = rows * cols
+        weights = ([pool[k * size:(k + 1) * size].view(rows, cols) for k in range(pool.numel() // size)]
+                   or [torch.randn(rows, cols, dtype=dtype)])
+        tokens = [t for t in LINEAR_TOKENS if t == 1 or 2 * size * t <= LINEAR_MAX_FLOPS]
+        seconds = []
+        for t in tokens:
+            x = torch.randn(t, cols, dtype=dtype)
+            rotation = _Rotation(weights, lambda w: torch.nn.functional.linear(x, w))
+            seconds.append(median_s(rotation, calls=rotation.calls))
+        tables[(rows, cols)] = GridTable((tuple(tokens),), np.array(seconds))
+    x, w = torch.randn(1, 16, dtype=dtype), torch.randn(16, 16, dtype=dtype)
+    floor = median_s(lambda: [torch.nn.functional.linear(x, w) for _ in range(100)], calls=100)
+    return tables, floor
+
+
+def measure_einsums(config, dtype: torch.dtype) -> dict[tuple[int, int, int], GridTable]:
+    """Seconds of the engine's two MLA absorption einsums (layers/attention_mla.py) against LINEAR_TOKENS, at
+    the model's shapes, the operands laid out as the engine lays them out (q's no-rope half of [T, N, P+R];
+    W_uk and W_uv strided views of kv_b_proj). Empty for other attention."""
+    a = config.attention
+    if a.kind != "mla":
+        return {}
+    N, P, R, V, L = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
+    kv_b = torch.randn(N * (P + V), L, dtype=dtype).view(N, P + V, L)
+    cases = (((N, L, P), "tnp,npl->tnl", lambda t: torch.randn(t, N, P + R, dtype=dtype)[..., :P], kv_b[:, :P]),
+             ((N, V, L), "tnl,nvl->tnv", lambda t: torch.randn(t, N, L, dtype=dtype), kv_b[:, P:]))
+    tables = {}
+    for key, equation, make_x, w in cases:
+        tokens = [t for t in LINEAR_TOKENS if t == 1 or 2 * N * key[1] * key[2] * t <= LINEAR_MAX_FLOPS]
+        seconds = []
+        for t in tokens:
+            x = make_x(t)
+            seconds.append(median_s(lambda: torch.einsum(equation, x, w)))
+        tables[key] = GridTable((tuple(tokens),), np.array(seconds))
+    return tables
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights one step of `model` may read (everything but the embedding table)."""
+    from hybridmoe.layers.moe.block import MoEBlock
+
+    def tensors(obj) -> int:
+        return sum(v.nbytes for v in vars(obj).values() if isinstance(v, torch.Tensor))
+
+    total = model.lm_head.nbytes + model.norm.nbytes
+    for layer in model.layers:
+        total += tensors(layer.attention.w) + layer.input_norm.nbytes + layer.post_attention_norm.nbytes
+        if isinstance(layer.mlp, MoEBlock):
+            total += layer.mlp.router.weight.nbytes + layer.mlp.experts.moe.nbytes
+            total += tensors(layer.mlp.shared) if layer.mlp.shared is not None else 0
+        else:
+            total += tensors(layer.mlp)
+    return total
 
 
 class _Rotation:
@@ -247,10 +296,11 @@ def measure_attention(config, dtype: torch.dtype) -> tuple[GridTable, GridTable]
     return GridTable((DECODE_CONTEXTS,), np.array(decode)), GridTable((PREFILL_TOKENS,), np.array(prefill))
 
 
-def measure_experts(moe, dtype: torch.dtype) -> GridTable:
+def measure_experts(moe, top_k: int, dtype: torch.dtype) -> GridTable:
     """Seconds per active expert of one call of a layer's expert kernels (`moe`: the engine's FusedMoE, its
-    own weights) against tokens per expert; each call gives t tokens to each of n experts, the experts rotate
-    between calls (cold, as in a model), and the fixed cost of a call (a 16x16 expert, one token) is left out."""
+    own weights) against tokens per expert: each call routes tokens to top_k of n experts so that every one of
+    them gets t tokens, the n experts rotate between calls (cold, as in a model), and the fixed cost of a call
+    (a 16x16 expert, one token) is left out."""
     from hybridmoe.kernels.moe import FusedMoE
 
     tiny = FusedMoE("f32", [torch.randn(16, 16)], [torch.randn(16, 16)], [torch.randn(16, 16)],
@@ -261,14 +311,16 @@ def measure_experts(moe, dtype: torch.dtype) -> GridTable:
     per_expert = []
     for t in EXPERT_TOKENS:
         n = int(min(E, max(1, EXPERT_CALL_FLOPS // (6 * H * I * t))))
-        x = torch.randn(n * t, H, dtype=dtype)
-        weights = torch.ones(n * t, 1)
-        offset = [0]
+        n = max(top_k, n // top_k * top_k)  # every token's top_k experts distinct, every expert t tokens
+        x = torch.randn(n * t // top_k, H, dtype=dtype)
+        weights = torch.full((n * t // top_k, top_k), 1.0 / top_k)
+        pairs = torch.arange(n * t) % n  # [n*t] expert of each (token, slot), t of each
+        ids = [((pairs + offset) % E).view(-1, top_k) for offset in range(0, E, n)]  # [n*t/K, K] per rotation
+        turn = [0]
 
         def call():
-            ids = ((torch.arange(n) + offset[0]) % E).repeat_interleave(t)[:, None]
-            offset[0] += n
-            moe(x, ids, weights)
+            moe(x, ids[turn[0] % len(ids)], weights)
+            turn[0] += 1
         per_expert.append(max(1e-9, (median_s(call, budget_s=0.3) - fixed) / n))
     return GridTable((EXPERT_TOKENS,), np.array(per_expert))
 
@@ -315,18 +367,24 @@ class ModelBench:
         self.cases = [("decode", 1, DECODE_CONTEXT, f"decode(ctx={DECODE_CONTEXT})")]
         self.cases += [("prefill", n, 0, f"prefill({n})") for n in PREFILLS]
 
-    def tables(self, linear: GridTable, elementwise: GridTable) -> EngineTables:
+    def tables(self, elementwise: GridTable) -> EngineTables:
         """Every table `predict_step` reads for this model, on this machine, now."""
         from hybridmoe.layers.moe.block import MoEBlock
 
         model = self.case.model
+        pool = min(weight_bytes(model), 2 * last_level_cache_bytes())
+        shapes = weight_shapes(model.config)
+        linear, floor = measure_linear([s for s in shapes if len(s) == 2], model.dtype, pool)
         decode, prefill = measure_attention(model.config, model.dtype)
         moe = next(l.mlp.experts.moe for l in model.layers if isinstance(l.mlp, MoEBlock))
         return EngineTables(
-            linear=linear, elementwise=elementwise, attention_decode=decode, attention_prefill=prefill,
-            experts=measure_experts(moe, model.dtype), host=measure_host(self.tiny),
+            linear=linear, linear_floor=floor, batched=measure_einsums(model.config, model.dtype),
+            elementwise=elementwise, attention_decode=decode,
+            attention_prefill=prefill,
+            experts=measure_experts(moe, model.config.moe.num_experts_per_tok, model.dtype),
+            host=measure_host(self.tiny),
             threads=torch.get_num_threads(), compute_dtype=str(model.dtype).removeprefix("torch."),
-            notes={"linear": f"F.linear, weights rotated through {2 * last_level_cache_bytes() >> 20} MiB",
+            notes={"linear": f"F.linear at the model's weight shapes, weights rotated through {pool >> 20} MiB",
                    "attention": "the engine's paged-cache gather + attend at the model's head shape",
                    "experts": f"the engine's FusedMoE ({moe.fmt}, H={moe.hidden_size}, I={moe.intermediate_size}), "
                               "seconds per active expert",
@@ -400,39 +458,46 @@ def run(args) -> int:
     else:
         models = {"demo": Path(default_model_dir()), f"qwen3-30b-a3b-{args.layers}l":
                   qwen_shaped_model(args.layers, Path(args.cache) if args.cache else None)}
-    rounds: dict[str, list[EngineTables]] = {label: [] for label in models}
-    times: dict[str, dict[str, list[float]]] = {label: {} for label in models}
     loads: list[float] = []
     with tempfile.TemporaryDirectory() as scratch:
         print(f"loading {', '.join(models)} and their minimal-width copies ...", flush=True)
         benches = {label: ModelBench(d, Path(scratch) / label) for label, d in models.items()}
+    written = {label: {"rounds": [], "routing": {name: bench.case.routing(kind, tokens, context)
+                                                 for kind, tokens, context, name in bench.cases}}
+               for label, bench in benches.items()}
+    per_round: dict[tuple[str, str], list[tuple]] = {}  # (model, case) -> [(prediction, median step s)]
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}: tables and steps ({args.threads} thread(s), {dtype}) ...", flush=True)
         loads.append(os.getloadavg()[0])
-        linear, elementwise = measure_linear(dtype), measure_elementwise(dtype)
+        elementwise = measure_elementwise(dtype)
         for label, bench in benches.items():
-            rounds[label].append(bench.tables(linear, elementwise))
-            for name, runs in bench.time_cases(args.repeats, args.case_seconds).items():
-                times[label].setdefault(name, []).extend(runs)
+            tables = bench.tables(elementwise)
+            written[label]["rounds"].append(tables.to_json())
+            runs = bench.time_cases(args.repeats, args.case_seconds)
+            for kind, tokens, context, name in bench.cases:
+                predicted = predict_step(bench.case.config, tables, kind, tokens, context,
+                                         written[label]["routing"][name])
+                per_round.setdefault((label, name), []).append((predicted, statistics.median(runs[name])))
     loads.append(os.getloadavg()[0])
-    rows, tables = [], {}
-    for label, bench in benches.items():
-        tables[label] = {"tables": EngineTables.median(rounds[label]).to_json(), "routing": {}}
-        for kind, tokens, context, name in bench.cases:
-            routing = tables[label]["routing"][name] = bench.case.routing(kind, tokens, context)
-            predicted = predict_step(bench.case.config, EngineTables.from_json(tables[label]["tables"]), kind,
-                                     tokens, context, routing)
-            measured = statistics.median(times[label][name])
-            rows.append({"name": f"{label} {name}", "predicted_s": predicted.seconds, "measured_s": measured,
-                         "ratio": predicted.seconds / measured, "threads": args.threads,
-                         "timed_runs": len(times[label][name]), "load_average_1min": loads,
-                         "predicted_parts_s": predicted.parts})
+    rows = [_row(f"{label} {name}", results, args.threads, loads) for (label, name), results in per_round.items()]
     _print(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     if args.tables:
-        Path(args.tables).write_text(json.dumps(tables, indent=2) + "\n")
+        Path(args.tables).write_text(json.dumps(written, indent=2) + "\n")
     return 0
+
+
+def _row(name: str, results: list[tuple], threads: int, loads: list[float]) -> dict:
+    """One case over the rounds: predicted_s from the round whose prediction is the median (its parts too),
+    measured_s the median over rounds of each round's median step time."""
+    ranked = sorted(results, key=lambda r: r[0].seconds)
+    predicted = ranked[(len(ranked) - 1) // 2][0]
+    measured = statistics.median(m for _, m in results)
+    return {"name": name, "predicted_s": predicted.seconds, "measured_s": measured,
+            "ratio": predicted.seconds / measured, "threads": threads, "load_average_1min": loads,
+            "predicted_parts_s": predicted.parts,
+            "rounds": [{"predicted_s": p.seconds, "measured_s": m} for p, m in results]}
 
 
 def _print(rows: list[dict]) -> None:

@@ -11,8 +11,10 @@ measured on this machine (by `hybridmoe bench costmodel`, in the same run as the
 - host: our engine's own Python and per-op dispatch cost, measured by running the engine on the same
   architecture at minimal widths (head, expert and layer counts kept), per step and per layer kind (dense MLP
   layer, MoE layer), for decode and for prefill: what a step costs when its arithmetic is negligible;
-- linear: seconds of one F.linear call against (weight rows, weight columns, tokens), on a grid of widths and
-  token counts, weights rotated through more memory than the last-level cache;
+- linear: seconds of one F.linear call against tokens, for each weight shape (rows, columns) the model uses,
+  the weights rotated through as many bytes as the model's weights hold (at most twice the last-level cache),
+  so they come from where the engine finds them; its fixed cost is that of a 16x16 linear; MLA's two
+  absorption einsums (batched over heads, on the engine's strided views of kv_b_proj) likewise per shape;
 - attention: seconds of the engine's context attention of one sequence (gather from the paged cache + SDPA) at
   the model's head shape, against the context (one query: decode) or the chunk length (a prefill from 0);
 - experts: seconds per active expert of one expert-kernel call against tokens per expert, at the model's
@@ -20,10 +22,10 @@ measured on this machine (by `hybridmoe bench costmodel`, in the same run as the
   step's tokens route to: counted from the router's choices when given (`routing`), else uniform routing;
 - elementwise: seconds of one elementwise op against its element count.
 
-Each table's smallest entry is that op's fixed cost, already inside the host measurement: subtracting it keeps
-it from being counted twice. Tables are read by multilinear interpolation in log space; beyond a table's last
-point the time grows in proportion (more rows, columns or tokens repeat the same work). Nothing here sees a
-measured step time.
+Each table's smallest entry (for linears: the 16x16 call) is that op's fixed cost, already inside the host
+measurement: subtracting it keeps it from being counted twice. Tables are read by multilinear interpolation in
+log space; beyond a table's last point the time grows in proportion (more tokens repeat the same work).
+Nothing here sees a measured step time.
 
 Legend: T tokens of the step (queries), C context (keys), H hidden, V vocabulary, N heads, Nk kv heads, D head
 dim, L kv_lora_rank, Lq q_lora_rank, R rope dims, P no-rope q/k dims, Dv value dims, E experts, K top-k,
@@ -116,7 +118,9 @@ class GridTable:
 class EngineTables:
     """What `predict_step` needs, measured on one machine for one model (see module docstring)."""
 
-    linear: GridTable  # (rows, cols, tokens) -> seconds of one F.linear
+    linear: dict[tuple[int, int], GridTable]  # weight (rows, cols) -> (tokens,) -> seconds of one F.linear
+    linear_floor: float  # seconds of a 16x16 F.linear of one token: the call's fixed cost
+    batched: dict[tuple[int, int, int], GridTable]  # MLA einsum (heads, rows, cols) -> (tokens,) -> seconds
     elementwise: GridTable  # (elements,) -> seconds of one elementwise op
     attention_decode: GridTable  # (context,) -> seconds, one query
     attention_prefill: GridTable  # (tokens,) -> seconds, a chunk of T queries from position 0
@@ -132,33 +136,121 @@ class EngineTables:
             if missing:
                 raise ValueError(f"engine tables: host costs of {kind} lack {', '.join(missing)}")
 
-    TABLES = ("linear", "elementwise", "attention_decode", "attention_prefill", "experts")
+    TABLES = ("elementwise", "attention_decode", "attention_prefill", "experts")
+
+    def linear_s(self, rows: float, cols: float, tokens: float) -> float:
+        """Seconds of one F.linear of `tokens` tokens through a rows x cols weight, above the call's fixed cost."""
+        table = self.linear.get((int(rows), int(cols)))
+        if table is None:
+            raise ValueError(f"engine tables: no F.linear measured for a {int(rows)}x{int(cols)} weight (measured: "
+                             f"{', '.join(f'{r}x{c}' for r, c in sorted(self.linear))}); measure this model's tables")
+        return max(0.0, table(tokens) - self.linear_floor)
+
+    def batched_s(self, batch: float, rows: float, cols: float, tokens: float) -> float:
+        """Seconds of one MLA absorption einsum above its fixed cost (its own table's smallest entry)."""
+        key = (int(batch), int(rows), int(cols))
+        if key not in self.batched:
+            raise ValueError(f"engine tables: no einsum measured for {key[0]} heads of {key[1]}x{key[2]}; measure "
+                             "this model's tables")
+        return self.batched[key].above_floor(tokens)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"axes": [list(a) for a in self.axes], "seconds": self.seconds.tolist()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: str = "table") -> "GridTable":
+        try:
+            axes = tuple(tuple(float(v) for v in axis) for axis in data["axes"])
+            return cls(axes, np.asarray(data["seconds"], dtype=float))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where}: not a measured table ({e})") from None
+
+
+@dataclass(frozen=True)
+class EngineTables:
+    """What `predict_step` needs, measured on one machine for one model (see module docstring)."""
+
+    linear: dict[tuple[int, int], GridTable]  # weight (rows, cols) -> (tokens,) -> seconds of one F.linear
+    linear_floor: float  # seconds of a 16x16 F.linear of one token: the call's fixed cost
+    batched: dict[tuple[int, int, int], GridTable]  # MLA einsum (heads, rows, cols) -> (tokens,) -> seconds
+    elementwise: GridTable  # (elements,) -> seconds of one elementwise op
+    attention_decode: GridTable  # (context,) -> seconds, one query
+    attention_prefill: GridTable  # (tokens,) -> seconds, a chunk of T queries from position 0
+    experts: GridTable  # (tokens per expert,) -> seconds per active expert of one kernel call
+    host: dict[str, dict[str, float]]  # kind -> part (HOST_PARTS) -> seconds
+    threads: int
+    compute_dtype: str
+    notes: dict[str, str] = field(default_factory=dict, compare=False)  # how each table was measured
+
+    def __post_init__(self):
+        for kind in KINDS:
+            missing = [p for p in HOST_PARTS if p not in self.host.get(kind, {})]
+            if missing:
+                raise ValueError(f"engine tables: host costs of {kind} lack {', '.join(missing)}")
+
+    TABLES = ("elementwise", "attention_decode", "attention_prefill", "experts")
+
+    def linear_s(self, rows: float, cols: float, tokens: float) -> float:
+        """Seconds of one F.linear of `tokens` tokens through a rows x cols weight, above the call's fixed cost."""
+        table = self.linear.get((int(rows), int(cols)))
+        if table is None:
+            raise ValueError(f"engine tables: no F.linear measured for a {int(rows)}x{int(cols)} weight (measured: "
+                             f"{', '.join(f'{r}x{c}' for r, c in sorted(self.linear))}); measure this model's tables")
+        return max(0.0, table(tokens) - self.linear_floor)
+
+    def batched_s(self, batch: float, rows: float, cols: float, tokens: float) -> float:
+        """Seconds of one MLA absorption einsum above its fixed cost (its own table's smallest entry)."""
+        key = (int(batch), int(rows), int(cols))
+        if key not in self.batched:
+            raise ValueError(f"engine tables: no einsum measured for {key[0]} heads of {key[1]}x{key[2]}; measure "
+                             "this model's tables")
+        return self.batched[key].above_floor(tokens)
 
     @classmethod
     def median(cls, rounds: list["EngineTables"]) -> "EngineTables":
         """Entry by entry, the median of tables measured in several rounds (on the same grids)."""
         first = rounds[0]
-        tables = {}
-        for name in cls.TABLES:
-            grids = [getattr(t, name) for t in rounds]
+
+        def median_table(name: str, grids: list[GridTable]) -> GridTable:
             if any(g.axes != grids[0].axes for g in grids):
                 raise ValueError(f"engine tables: rounds measured '{name}' on different grids")
-            tables[name] = GridTable(grids[0].axes, np.median([g.seconds for g in grids], axis=0))
+            return GridTable(grids[0].axes, np.median([g.seconds for g in grids], axis=0))
+
+        tables = {name: median_table(name, [getattr(t, name) for t in rounds]) for name in cls.TABLES}
+        if any(t.linear.keys() != first.linear.keys() for t in rounds):
+            raise ValueError("engine tables: rounds measured F.linear for different weight shapes")
+        linear = {shape: median_table(f"linear {shape}", [t.linear[shape] for t in rounds]) for shape in first.linear}
+        if any(t.batched.keys() != first.batched.keys() for t in rounds):
+            raise ValueError("engine tables: rounds measured einsums for different shapes")
+        batched = {k: median_table(f"einsum {k}", [t.batched[k] for t in rounds]) for k in first.batched}
         host = {kind: {part: float(np.median([t.host[kind][part] for t in rounds])) for part in parts}
                 for kind, parts in first.host.items()}
-        return cls(**tables, host=host, threads=first.threads, compute_dtype=first.compute_dtype,
+        return cls(linear=linear, linear_floor=float(np.median([t.linear_floor for t in rounds])), batched=batched,
+                   **tables,
+                   host=host, threads=first.threads, compute_dtype=first.compute_dtype,
                    notes={**first.notes, "rounds": f"median of {len(rounds)} rounds"})
 
     def to_json(self) -> dict[str, Any]:
         return {"threads": self.threads, "compute_dtype": self.compute_dtype, "host_s": self.host,
+                "linear": {f"{r}x{c}": t.to_json() for (r, c), t in self.linear.items()},
+                "linear_floor_s": self.linear_floor,
+                "batched": {"x".join(map(str, k)): t.to_json() for k, t in self.batched.items()},
                 **{name: getattr(self, name).to_json() for name in self.TABLES}, "notes": self.notes}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "EngineTables":
         tables = {name: GridTable.from_json(data.get(name, {}), name) for name in cls.TABLES}
+        try:
+            linear = {tuple(int(v) for v in key.split("x")): GridTable.from_json(t, f"linear {key}")
+                      for key, t in data["linear"].items()}
+            floor = float(data["linear_floor_s"])
+            batched = {tuple(int(v) for v in key.split("x")): GridTable.from_json(t, f"einsum {key}")
+                       for key, t in data.get("batched", {}).items()}
+        except (KeyError, ValueError, AttributeError) as e:
+            raise ValueError(f"engine tables: no F.linear tables ({e})") from None
         host = {k: {p: float(v) for p, v in parts.items()} for k, parts in data.get("host_s", {}).items()}
-        return cls(**tables, host=host, threads=int(data["threads"]), compute_dtype=str(data["compute_dtype"]),
-                   notes=dict(data.get("notes", {})))
+        return cls(linear=linear, linear_floor=floor, batched=batched, **tables, host=host, threads=int(data["threads"]),
+                   compute_dtype=str(data["compute_dtype"]), notes=dict(data.get("notes", {})))
 
 
 # ---- the engine's op sequence ----------------------------------------------------------------------------
@@ -213,6 +305,7 @@ def _mla_ops(c: ModelConfig, T: int, C: int) -> list[Op]:
             Op("elementwise", "attention", (T * N * (L + R),)),  # cat(q_lat, q_pe)
             Op("attention", "attention", (T, C)),
             Op("batched_linear", "attention", (N, Dv, L, T)),  # attention-weighted latent through W_uv
+            Op("elementwise", "attention", (T * N * Dv,)),  # its [T, N, Dv] view reshaped (a copy)
             Op("linear", "attention", (H, N * Dv, T))]
     return ops
 
@@ -281,6 +374,15 @@ def engine_ops(config: ModelConfig, queries: int, context: int,
     return ops
 
 
+def weight_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
+    """Every (rows, cols) weight shape the engine runs F.linear with, then every (heads, rows, cols) of the
+    MLA absorption einsums: the shapes `EngineTables` must hold for this model."""
+    ops = engine_ops(config, 1, 1)
+    linear = {tuple(int(v) for v in op.shape[:2]) for op in ops if op.kind == "linear"}
+    batched = {tuple(int(v) for v in op.shape[:3]) for op in ops if op.kind == "batched_linear"}
+    return sorted(linear) + sorted(batched)
+
+
 # ---- costing ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EnginePrediction:
@@ -294,10 +396,9 @@ class EnginePrediction:
 def op_seconds(op: Op, tables: EngineTables, kind: str) -> float:
     """One op's time above its fixed cost (see module docstring), times its count."""
     if op.kind == "linear":
-        seconds = tables.linear.above_floor(*op.shape)
+        seconds = tables.linear_s(*op.shape)
     elif op.kind == "batched_linear":
-        batch, rows, cols, tokens = op.shape
-        seconds = batch * tables.linear.above_floor(rows, cols, tokens)
+        seconds = tables.batched_s(*op.shape)
     elif op.kind == "attention":
         queries, context = op.shape
         if kind == "decode":
