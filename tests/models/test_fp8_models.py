@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_reference import set_expert_weight
 from transformers import AutoModelForCausalLM
 
 from hybridmoe.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8, write_fp8_checkpoint
@@ -34,20 +35,8 @@ def _float64_reference(src_dir, fp8_dir):
             if name in params:
                 params[name].data.copy_(deq)
             else:  # per-expert keys on disk, fused [E, ...] tensors in memory
-                _copy_expert(model, name, deq)
+                set_expert_weight(model, name, deq)
     return model
-
-
-def _copy_expert(model, name: str, deq: torch.Tensor) -> None:
-    prefix, expert, proj = name.rsplit(".", 3)[0], int(name.split(".experts.")[1].split(".")[0]), name.split(".")[-2]
-    experts = model.get_submodule(prefix.rsplit(".experts", 1)[0] + ".experts")
-    inter = deq.shape[0] if proj != "down_proj" else deq.shape[1]
-    if proj == "gate_proj":
-        experts.gate_up_proj.data[expert, :inter] = deq
-    elif proj == "up_proj":
-        experts.gate_up_proj.data[expert, inter:] = deq
-    else:
-        experts.down_proj.data[expert] = deq
 
 
 @pytest.mark.slow

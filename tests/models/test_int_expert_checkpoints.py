@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_reference import PROJ, set_expert_weight
 from transformers import AutoModelForCausalLM
 
 from hybridmoe.checkpoint.safetensors_reader import CheckpointReader
@@ -14,9 +15,6 @@ from hybridmoe.kernels.formats import dequantize_int
 from hybridmoe.models.loader import load_model
 from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
 
-PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-
-
 def _reference(src, quant_dir, fmt: str):
     """transformers in float64 with each routed expert replaced by its exact int dequantisation."""
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64, experts_implementation="eager").eval()
@@ -24,18 +22,10 @@ def _reference(src, quant_dir, fmt: str):
     for name in reader.names():
         if ".experts." not in name or name.endswith("_scale"):
             continue
-        module_path, rest = name.split(".experts.")
-        expert, proj = int(rest.split(".")[0]), PROJ[rest.split(".")[1]]
-        experts = model.get_submodule(module_path.replace("block_sparse_moe", "mlp") + ".experts")
-        inter = experts.down_proj.shape[2]
-        cols = experts.down_proj.shape[1] if proj != "down" else inter
-        w = dequantize_int(fmt, reader.get(name), reader.get(name + "_scale"), cols)
-        if proj == "gate":
-            experts.gate_up_proj.data[expert, :inter] = w
-        elif proj == "up":
-            experts.gate_up_proj.data[expert, inter:] = w
-        else:
-            experts.down_proj.data[expert] = w
+        experts = model.get_submodule(name.split(".experts.")[0].replace("block_sparse_moe", "mlp") + ".experts")
+        is_down = PROJ[name.split(".experts.")[1].split(".")[1]] == "down"
+        cols = experts.down_proj.shape[2] if is_down else experts.down_proj.shape[1]  # I for down, else H
+        set_expert_weight(model, name, dequantize_int(fmt, reader.get(name), reader.get(name + "_scale"), cols))
     return model
 
 
