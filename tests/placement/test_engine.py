@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridmoe.placement.engine import (EngineTables, GridTable, engine_ops, expected_distinct_experts,
-                                        predict_step, weight_shapes)
+from hybridmoe.placement.engine import EngineTables, GridTable, predict_step
+from hybridmoe.placement.engine_ops import engine_ops, expected_distinct_experts, weight_shapes
 from hybridmoe.placement.modelspec import resolve_model
 
 RNG = np.random.default_rng(7)

@@ -1,21 +1,20 @@
 """`hybridmoe bench costmodel [--json PATH]`: predicted next to measured step times of our engine, in one run.
 
-For two model sizes - the demo model and a Qwen3-30B-A3B-shaped model (2 layers of real dimensions, random bf16
-weights, built on the fly and cached) - the bench measures the tables the engine cost model reads
-(`placement.engine.EngineTables`: F.linear at each of the model's weight shapes against token count,
-elementwise ops, the engine's context attention at the model's head shape, the expert kernels per tokens per
-expert at the model's expert shape and top-k, and the engine's host cost on a minimal-width copy of the same
-architecture) and times a decode step
-(one sequence, 128 tokens cached) and CPU prefill of 128 and 512 tokens through the engine's ModelRunner
-(median of the timed steps after a warm-up). On a shared machine the speed of the same op drifts by tens of
-percent within minutes, so it does both in several short rounds, each model's tables right before its steps:
-each round's `placement.engine.predict_step` reads that round's tables (and the model's config, and the
-case's routing counted once from the router's choices); it never sees the step timings. Reported: the median
-over rounds of the predictions and of the measured times, and every round's pair.
+For the demo model and a Qwen3-30B-A3B-shaped model (2 layers of real dimensions, random bf16 weights, built on
+the fly and cached), the bench times a decode step (one sequence, 128 tokens cached) and CPU prefill of 128 and
+512 tokens through the engine's ModelRunner (median of timed steps after a warm-up), and measures the tables
+`placement.engine.predict_step` reads: F.linear at each of the model's weight shapes against tokens, MLA's
+absorption einsums, the engine's paged-cache attention at the model's head shape, the engine's expert kernels
+per active expert against tokens per expert, elementwise ops, and the engine's host cost on a minimal-width
+copy of the same architecture. Ops are timed as they run inside the engine (OpTimer). The speed of the same op
+drifts by tens of percent within minutes on a shared machine, so the bench runs several short rounds, each
+model's tables right before its steps, and predicts each round from that round's tables (with the model's
+config and the case's routing, counted once from the router's choices); the prediction never sees a step
+timing. Reported: the median over rounds of the predictions and of the measured times, and every round's pair.
 
 One thread for torch and the expert kernels by default (--threads): on a machine shared with other jobs every
 parallel op otherwise waits for a descheduled thread. The JSON rows say the threads and the load average.
-Legend: T tokens, C context, H hidden, E experts, K top-k, I expert intermediate.
+Legend: T tokens, C context, H hidden, E experts, K top-k, I expert intermediate, N heads, D head dim.
 """
 
 from __future__ import annotations
@@ -30,23 +29,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridmoe.placement.engine import EngineTables, GridTable, predict_step, weight_shapes
+from hybridmoe.placement.engine import EngineTables, GridTable, predict_step
+from hybridmoe.placement.engine_ops import weight_shapes
 
 DECODE_CONTEXT = 128
 PREFILLS = (128, 512)
 BLOCK = 16
 QWEN_SHAPE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                   num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8)
-# Measurement grids: token counts in powers of 4 (the cases' token counts fall between points and are
+# Measurement grids: token and element counts in powers of 4 (the cases fall between points and are
 # interpolated); attention, whose cost bends where its score matrices leave the caches, in powers of 2.
 LINEAR_TOKENS = (1, 4, 16, 64, 256, 1024)
 LINEAR_MAX_FLOPS = 2e10  # F.linear is timed at token counts up to this much work (beyond: proportional)
-ELEMENTS = (64, 1024, 16384, 262144, 4194304)
+ELEMENTS = tuple(4**i for i in range(3, 12))  # 64 .. 4M
 DECODE_CONTEXTS = tuple(2**i for i in range(2, 13))  # 4 .. 4096
 PREFILL_TOKENS = tuple(2**i for i in range(2, 11))  # 4 .. 1024
 EXPERT_TOKENS = (1, 4, 16, 64, 256)
 EXPERT_CALL_FLOPS = 4e9  # work per measured expert-kernel call: fewer experts per call at many tokens each
-SAMPLE_S = 0.01  # a timed run of a short op repeats it for about this long
 MAX_RUNS = 50  # timed runs of one measurement at most
 HOST_DECODE_CONTEXT, HOST_PREFILL_TOKENS = 16, 16  # where the minimal-width engine is timed
 TINY_WIDTH = 32  # every width of the minimal-width copy (head dims 16)
@@ -61,10 +60,9 @@ def register(subparsers) -> None:
                    help="bench these model directories instead of the demo and the Qwen3-shaped model")
     p.add_argument("--layers", type=int, default=2, help="layers of the Qwen3-30B-shaped model (default 2)")
     p.add_argument("--rounds", type=int, default=5,
-                   help="rounds of (tables, then timed steps); tables are the median of the rounds (default 5)")
+                   help="rounds of (tables, then timed steps), each predicted from its own tables (default 5)")
     p.add_argument("--repeats", type=int, default=2,
-                   help="timed steps per case and round after a warm-up, at least (default 2); measured = the "
-                        "median of all rounds' steps")
+                   help="timed steps per case and round after a warm-up, at least (default 2)")
     p.add_argument("--case-seconds", type=float, default=1.0,
                    help="keep timing a case's steps in a round until this long (default 1 s: fast cases get "
                         "more steps)")
@@ -157,9 +155,8 @@ def timed_runs(fn, min_repeats: int = 3, budget_s: float = 0.1) -> list[float]:
     return times
 
 
-def median_s(fn, min_repeats: int = 3, budget_s: float = 0.1, calls: int = 1) -> float:
-    """Median seconds of one call, where one run of fn makes `calls` calls."""
-    return statistics.median(timed_runs(fn, min_repeats, budget_s)) / calls
+def median_s(fn, min_repeats: int = 3, budget_s: float = 0.1) -> float:
+    return statistics.median(timed_runs(fn, min_repeats, budget_s))
 
 
 def last_level_cache_bytes() -> int:
@@ -175,12 +172,45 @@ def last_level_cache_bytes() -> int:
 
 
 # ---- tables ---------------------------------------------------------------------------------------------
-def measure_linear(shapes: list[tuple[int, int]], dtype: torch.dtype,
+class OpTimer:
+    """Times single op calls the way they run inside the engine: each right after `between()` (untimed; the
+    bench passes a step of the engine's code on the minimal-width copy), which leaves the core's caches, branch
+    predictors and allocator as the engine's surrounding ops do. Measured on the development VM: a 128x256
+    F.linear of 128 tokens took 140 us in a tight loop of its own, 210-300 us inside engine steps, 220-270 us
+    after a minimal-width step."""
+
+    def __init__(self, between):
+        self.between = between
+
+    def median_s(self, fn, min_repeats: int = 5, budget_s: float = 0.1) -> float:
+        """Median seconds of fn() over at least min_repeats calls (more while within budget_s, at most
+        MAX_RUNS), each after between(); one untimed call first."""
+        fn()
+        times: list[float] = []
+        start = time.perf_counter()
+        while len(times) < min_repeats or (time.perf_counter() - start < budget_s and len(times) < MAX_RUNS):
+            self.between()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def rotating(pool: list, op):
+    """A call that applies op to the next item of pool each time (cyclically)."""
+    cursor = [0]
+
+    def call():
+        op(pool[cursor[0] % len(pool)])
+        cursor[0] += 1
+    return call
+
+
+def measure_linear(timer: OpTimer, shapes: list[tuple[int, int]], dtype: torch.dtype,
                    pool_bytes: int) -> tuple[dict[tuple[int, int], GridTable], float]:
     """Seconds of F.linear(x [T, cols], W [rows, cols]) for each weight shape against LINEAR_TOKENS (those
-    within LINEAR_MAX_FLOPS), the weights rotated through `pool_bytes` of copies (or one, if larger): each
-    timed run calls the next weights of the pool, enough of them for about SAMPLE_S. Also the fixed cost of
-    one call (a 16x16 weight, one token)."""
+    within LINEAR_MAX_FLOPS), each call with the next weights of a pool of `pool_bytes` of copies (or one, if
+    larger). Also the fixed cost of one call (a 16x16 weight, one token)."""
     pool = torch.randn(max(pool_bytes, 1) // dtype.itemsize, dtype=dtype)
     tables = {}
     for rows, cols in shapes:
@@ -191,15 +221,13 @@ def measure_linear(shapes: list[tuple[int, int]], dtype: torch.dtype,
         seconds = []
         for t in tokens:
             x = torch.randn(t, cols, dtype=dtype)
-            rotation = _Rotation(weights, lambda w: torch.nn.functional.linear(x, w))
-            seconds.append(median_s(rotation, calls=rotation.calls))
+            seconds.append(timer.median_s(rotating(weights, lambda w: torch.nn.functional.linear(x, w))))
         tables[(rows, cols)] = GridTable((tuple(tokens),), np.array(seconds))
     x, w = torch.randn(1, 16, dtype=dtype), torch.randn(16, 16, dtype=dtype)
-    floor = median_s(lambda: [torch.nn.functional.linear(x, w) for _ in range(100)], calls=100)
-    return tables, floor
+    return tables, timer.median_s(lambda: torch.nn.functional.linear(x, w), min_repeats=20)
 
 
-def measure_einsums(config, dtype: torch.dtype) -> dict[tuple[int, int, int], GridTable]:
+def measure_einsums(timer: OpTimer, config, dtype: torch.dtype) -> dict[tuple[int, int, int], GridTable]:
     """Seconds of the engine's two MLA absorption einsums (layers/attention_mla.py) against LINEAR_TOKENS, at
     the model's shapes, the operands laid out as the engine lays them out (q's no-rope half of [T, N, P+R];
     W_uk and W_uv strided views of kv_b_proj). Empty for other attention."""
@@ -216,7 +244,7 @@ def measure_einsums(config, dtype: torch.dtype) -> dict[tuple[int, int, int], Gr
         seconds = []
         for t in tokens:
             x = make_x(t)
-            seconds.append(median_s(lambda: torch.einsum(equation, x, w)))
+            seconds.append(timer.median_s(lambda: torch.einsum(equation, x, w)))
         tables[key] = GridTable((tuple(tokens),), np.array(seconds))
     return tables
 
@@ -239,33 +267,17 @@ def weight_bytes(model) -> int:
     return total
 
 
-class _Rotation:
-    """Calls op(w) for the next `calls` items of a pool, cyclically; `calls` makes one run about SAMPLE_S."""
-
-    def __init__(self, pool: list, op):
-        self.pool, self.op, self.cursor = pool, op, 0
-        start = time.perf_counter()
-        op(pool[0])
-        once = time.perf_counter() - start
-        self.calls = int(min(len(pool), max(1, SAMPLE_S // max(once, 1e-7))))
-
-    def __call__(self) -> None:
-        for _ in range(self.calls):
-            self.op(self.pool[self.cursor])
-            self.cursor = (self.cursor + 1) % len(self.pool)
-
-
-def measure_elementwise(dtype: torch.dtype) -> GridTable:
-    """Seconds of one elementwise product (a new tensor, as the engine's ops make) against element count."""
+def measure_elementwise(timer: OpTimer, dtype: torch.dtype) -> GridTable:
+    """Seconds of one elementwise product (a new tensor, as the engine's ops make) against element count. The
+    bench times it without a step in between: the engine's elementwise ops read activations just written."""
     seconds = []
     for n in ELEMENTS:
         a, b = torch.randn(n, dtype=dtype), torch.randn(n, dtype=dtype)
-        calls = max(1, 2**16 // n)
-        seconds.append(median_s(lambda: [a * b for _ in range(calls)], calls=calls))
+        seconds.append(timer.median_s(lambda: a * b))
     return GridTable((ELEMENTS,), np.array(seconds))
 
 
-def measure_attention(config, dtype: torch.dtype) -> tuple[GridTable, GridTable]:
+def measure_attention(timer: OpTimer, config, dtype: torch.dtype) -> tuple[GridTable, GridTable]:
     """The engine's context attention of one sequence (paged-cache gather + attend + output copy, as in
     layers/attention_*.py) at the model's head shape: (one query against C keys, a chunk of T queries from 0)."""
     from hybridmoe.layers.paged_attention import attend, gather_context
@@ -289,14 +301,14 @@ def measure_attention(config, dtype: torch.dtype) -> tuple[GridTable, GridTable]
             k = gather_context(cache[0], table, context)  # [C, Nk, D]
             v = k[..., :value_dim] if a.kind == "mla" else gather_context(cache[1], table, context)
             out[0:queries] = attend(q, k, v, a.softmax_scale, window)
-        return median_s(body)
+        return timer.median_s(body)
 
     decode = [call(1, c) for c in DECODE_CONTEXTS]
     prefill = [call(t, t) for t in PREFILL_TOKENS]
     return GridTable((DECODE_CONTEXTS,), np.array(decode)), GridTable((PREFILL_TOKENS,), np.array(prefill))
 
 
-def measure_experts(moe, top_k: int, dtype: torch.dtype) -> GridTable:
+def measure_experts(timer: OpTimer, moe, top_k: int, dtype: torch.dtype) -> GridTable:
     """Seconds per active expert of one call of a layer's expert kernels (`moe`: the engine's FusedMoE, its
     own weights) against tokens per expert: each call routes tokens to top_k of n experts so that every one of
     them gets t tokens, the n experts rotate between calls (cold, as in a model), and the fixed cost of a call
@@ -305,8 +317,8 @@ def measure_experts(moe, top_k: int, dtype: torch.dtype) -> GridTable:
 
     tiny = FusedMoE("f32", [torch.randn(16, 16)], [torch.randn(16, 16)], [torch.randn(16, 16)],
                     hidden_size=16, intermediate_size=16)
-    one = torch.zeros(1, 1, dtype=torch.int64)
-    fixed = median_s(lambda: tiny(torch.randn(1, 16), one, torch.ones(1, 1)), min_repeats=20)
+    one, x1, w1 = torch.zeros(1, 1, dtype=torch.int64), torch.randn(1, 16), torch.ones(1, 1)
+    fixed = timer.median_s(lambda: tiny(x1, one, w1), min_repeats=20)
     E, H, I = moe.num_experts, moe.hidden_size, moe.intermediate_size
     per_expert = []
     for t in EXPERT_TOKENS:
@@ -316,12 +328,8 @@ def measure_experts(moe, top_k: int, dtype: torch.dtype) -> GridTable:
         weights = torch.full((n * t // top_k, top_k), 1.0 / top_k)
         pairs = torch.arange(n * t) % n  # [n*t] expert of each (token, slot), t of each
         ids = [((pairs + offset) % E).view(-1, top_k) for offset in range(0, E, n)]  # [n*t/K, K] per rotation
-        turn = [0]
-
-        def call():
-            moe(x, ids[turn[0] % len(ids)], weights)
-            turn[0] += 1
-        per_expert.append(max(1e-9, (median_s(call, budget_s=0.3) - fixed) / n))
+        seconds = timer.median_s(rotating(ids, lambda i: moe(x, i, weights)), budget_s=0.3)
+        per_expert.append(max(1e-9, (seconds - fixed) / n))
     return GridTable((EXPERT_TOKENS,), np.array(per_expert))
 
 
@@ -360,31 +368,43 @@ class ModelBench:
 
     def __init__(self, model_dir: Path, scratch: Path):
         from hybridmoe.models.loader import load_model
+        from hybridmoe.runtime.model_runner import ModelRunner
 
         self.model_dir = model_dir
         self.case = EngineCase(model_dir)
         self.tiny = load_model(minimal_width_copy(model_dir, scratch), "auto", "cpu", show_progress=False)
+        self.tiny_runner = ModelRunner(self.tiny, 4, BLOCK)
         self.cases = [("decode", 1, DECODE_CONTEXT, f"decode(ctx={DECODE_CONTEXT})")]
         self.cases += [("prefill", n, 0, f"prefill({n})") for n in PREFILLS]
 
-    def tables(self, elementwise: GridTable) -> EngineTables:
+    def between(self) -> None:
+        """A prefill step of HOST_PREFILL_TOKENS tokens on the minimal-width copy (what OpTimer runs between
+        timed calls)."""
+        from hybridmoe.runtime.model_runner import SequenceChunk
+
+        with torch.inference_mode():
+            self.tiny_runner.forward([SequenceChunk(list(range(3, 3 + HOST_PREFILL_TOKENS)), 0, [0, 1, 2, 3])])
+
+    def tables(self) -> EngineTables:
         """Every table `predict_step` reads for this model, on this machine, now."""
         from hybridmoe.layers.moe.block import MoEBlock
 
-        model = self.case.model
+        model, dtype, timer = self.case.model, self.case.model.dtype, OpTimer(self.between)
         pool = min(weight_bytes(model), 2 * last_level_cache_bytes())
         shapes = weight_shapes(model.config)
-        linear, floor = measure_linear([s for s in shapes if len(s) == 2], model.dtype, pool)
-        decode, prefill = measure_attention(model.config, model.dtype)
+        linear, floor = measure_linear(timer, [s for s in shapes if len(s) == 2], dtype, pool)
+        decode, prefill = measure_attention(timer, model.config, dtype)
         moe = next(l.mlp.experts.moe for l in model.layers if isinstance(l.mlp, MoEBlock))
         return EngineTables(
-            linear=linear, linear_floor=floor, batched=measure_einsums(model.config, model.dtype),
-            elementwise=elementwise, attention_decode=decode,
+            linear=linear, linear_floor=floor, batched=measure_einsums(timer, model.config, dtype),
+            elementwise=measure_elementwise(OpTimer(lambda: None), dtype), attention_decode=decode,
             attention_prefill=prefill,
-            experts=measure_experts(moe, model.config.moe.num_experts_per_tok, model.dtype),
-            host=measure_host(self.tiny),
-            threads=torch.get_num_threads(), compute_dtype=str(model.dtype).removeprefix("torch."),
-            notes={"linear": f"F.linear at the model's weight shapes, weights rotated through {pool >> 20} MiB",
+            experts=measure_experts(timer, moe, model.config.moe.num_experts_per_tok, dtype),
+            host=measure_host(self.tiny), threads=torch.get_num_threads(),
+            compute_dtype=str(dtype).removeprefix("torch."),
+            notes={"ops": "linear, einsum, attention and expert calls timed right after a step of the engine on "
+                          "the minimal-width copy; elementwise ops back to back",
+                   "linear": f"F.linear at the model's weight shapes, weights rotated through {pool >> 20} MiB",
                    "attention": "the engine's paged-cache gather + attend at the model's head shape",
                    "experts": f"the engine's FusedMoE ({moe.fmt}, H={moe.hidden_size}, I={moe.intermediate_size}), "
                               "seconds per active expert",
@@ -469,9 +489,8 @@ def run(args) -> int:
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}: tables and steps ({args.threads} thread(s), {dtype}) ...", flush=True)
         loads.append(os.getloadavg()[0])
-        elementwise = measure_elementwise(dtype)
         for label, bench in benches.items():
-            tables = bench.tables(elementwise)
+            tables = bench.tables()
             written[label]["rounds"].append(tables.to_json())
             runs = bench.time_cases(args.repeats, args.case_seconds)
             for kind, tokens, context, name in bench.cases:
