@@ -7,8 +7,9 @@ the fly and cached), the bench times a decode step (one sequence, 128 tokens cac
 absorption einsums, the engine's paged-cache attention at the model's head shape, the engine's expert kernels
 per active expert against tokens per expert, elementwise ops, and the engine's host cost on a minimal-width
 copy of the same architecture. Ops are timed as they run inside the engine (OpTimer). The speed of the same op
-drifts by tens of percent within minutes on a shared machine, so the bench runs several short rounds, each
-model's tables right before its steps, and predicts each round from that round's tables (with the model's
+drifts by tens of percent within minutes on a shared machine, so the bench runs several short rounds per model
+(the models one after the other, each alone in the process as it would be served), each round's tables right
+before its steps, and predicts each round from that round's tables (with the model's
 config and the case's routing, counted once from the router's choices); the prediction never sees a step
 timing. Reported: the median over rounds of the predictions and of the measured times, and every round's pair.
 
@@ -19,6 +20,7 @@ Legend: T tokens, C context, H hidden, E experts, K top-k, I expert intermediate
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -479,17 +481,18 @@ def run(args) -> int:
         models = {"demo": Path(default_model_dir()), f"qwen3-30b-a3b-{args.layers}l":
                   qwen_shaped_model(args.layers, Path(args.cache) if args.cache else None)}
     loads: list[float] = []
-    with tempfile.TemporaryDirectory() as scratch:
-        print(f"loading {', '.join(models)} and their minimal-width copies ...", flush=True)
-        benches = {label: ModelBench(d, Path(scratch) / label) for label, d in models.items()}
-    written = {label: {"rounds": [], "routing": {name: bench.case.routing(kind, tokens, context)
-                                                 for kind, tokens, context, name in bench.cases}}
-               for label, bench in benches.items()}
+    written: dict[str, dict] = {}
     per_round: dict[tuple[str, str], list[tuple]] = {}  # (model, case) -> [(prediction, median step s)]
-    for r in range(args.rounds):
-        print(f"round {r + 1}/{args.rounds}: tables and steps ({args.threads} thread(s), {dtype}) ...", flush=True)
-        loads.append(os.getloadavg()[0])
-        for label, bench in benches.items():
+    for label, model_dir in models.items():  # one model at a time, as it would be served
+        print(f"{label}: loading it and its minimal-width copy ...", flush=True)
+        with tempfile.TemporaryDirectory() as scratch:
+            bench = ModelBench(model_dir, Path(scratch) / label)
+        written[label] = {"rounds": [], "routing": {name: bench.case.routing(kind, tokens, context)
+                                                    for kind, tokens, context, name in bench.cases}}
+        for r in range(args.rounds):
+            print(f"{label} round {r + 1}/{args.rounds}: tables, then steps ({args.threads} thread(s), {dtype}) ...",
+                  flush=True)
+            loads.append(os.getloadavg()[0])
             tables = bench.tables()
             written[label]["rounds"].append(tables.to_json())
             runs = bench.time_cases(args.repeats, args.case_seconds)
@@ -497,6 +500,8 @@ def run(args) -> int:
                 predicted = predict_step(bench.case.config, tables, kind, tokens, context,
                                          written[label]["routing"][name])
                 per_round.setdefault((label, name), []).append((predicted, statistics.median(runs[name])))
+        del bench
+        gc.collect()
     loads.append(os.getloadavg()[0])
     rows = [_row(f"{label} {name}", results, args.threads, loads) for (label, name), results in per_round.items()]
     _print(rows)
@@ -529,4 +534,4 @@ def _print(rows: list[dict]) -> None:
     within = sum(abs(r["ratio"] - 1) <= 0.15 for r in rows)
     loads = ", ".join(f"{v:.1f}" for v in rows[0]["load_average_1min"])
     print(f"{within} of {len(rows)} cases within 15% ({rows[0]['threads']} thread(s) for torch and the kernels; "
-          f"load average at each round's start and at the end: {loads})")
+          f"load average at each round's start (model after model) and at the end: {loads})")

@@ -50,22 +50,6 @@ def best_time(fn, repeats: int) -> float:
     return min(times)
 
 
-def count_aten_ops(fn) -> int:
-    """How many aten ops one call of fn dispatches (a count of the implementation, not a timing)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Counter(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    with Counter():
-        fn()
-    return Counter.ops
-
-
 def measured(value: float, what: str) -> dict:
     return {"value": float(value), "source": f"measured: {what}"}
 
@@ -200,24 +184,6 @@ class Measurer:
             rows.append([t, 2 * t * n * n / seconds / 1e12])
         return rows
 
-    def op_latency_us(self, device) -> float:
-        """Host-side cost of one small op: a decoder-like mix of tiny ops, timed, over its aten op count."""
-        torch = self.torch
-        F = torch.nn.functional
-        x = torch.randn(1, 256, dtype=torch.bfloat16, device=device)
-        w = torch.randn(256, 256, dtype=torch.bfloat16, device=device)
-
-        def mix():
-            y = F.linear(x, w)
-            y = y * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(y.dtype)
-            s = torch.softmax(F.silu(y).float() + x.float(), -1)
-            top = torch.topk(s, 4)[1]
-            return torch.cat([y[:, :128], y.index_select(1, top[0])], -1)
-
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        seconds = best_time(lambda: ([mix() for _ in range(50)], sync()), self.repeats) / 50
-        return seconds / count_aten_ops(mix) * 1e6
-
     def attention_table(self, device) -> list[list[float]]:
         """Achieved TFLOP/s of causal-free attention of 256 queries (16 heads x 128) against C keys (bf16)."""
         torch = self.torch
@@ -331,7 +297,6 @@ def build_profile(quick: bool, formats: tuple[str, ...], log=print) -> dict:
         "h2d_gbs": measured(link_gbs, "pinned host->device copy" if m.cuda else "host memory copy (stand-in)"),
         "d2h_gbs": measured(link_gbs, "pinned device->host copy" if m.cuda else "host memory copy (stand-in)"),
         "link_latency_us": measured(max(latency_us, 0.1), "16 KiB copy"),
-        "op_latency_us": measured(m.op_latency_us(device), "a mix of tiny torch ops, time / aten op count"),
         "matmul_table": gpu_matmul, "matmul_table_source": f"measured: torch on {where}; (T, TFLOP/s), 4096^2 weights",
         "attention_table": gpu_attention,
         "attention_table_source": f"measured: torch SDPA on {where}; (context, TFLOP/s)",

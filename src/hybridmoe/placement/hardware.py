@@ -65,7 +65,6 @@ class GpuSpec:
     link_latency_us: float  # one small copy or kernel hand-off across the link
     p2p_gbs: float | None = None  # direct GPU<->GPU bandwidth (None: copies go through host memory)
     attention_efficiency: float | None = None  # of the bf16 peak (None: assume matmul_efficiency)
-    op_latency_us: float | None = None  # host-side cost of launching one small op (measured; None: ignored)
     stand_in: bool = False  # the CPU measured in place of an accelerator
     matmul_table: dict[str, Table] = field(default_factory=dict)  # key -> (T, achieved TFLOP/s)
     attention_table: Table = ()  # (context, achieved TFLOP/s)
@@ -164,7 +163,6 @@ def _gpu(data: dict[str, Any], where: str, name: str, description: str, refs: fr
         d2h_gbs=r.number("d2h_gbs"), link_latency_us=r.number("link_latency_us"),
         p2p_gbs=r.number("p2p_gbs", None),
         attention_efficiency=r.number("attention_efficiency", None), stand_in=bool(data.get("stand_in", False)),
-        op_latency_us=r.number("op_latency_us", None),
         matmul_table=r.tables("matmul_table"), attention_table=r.table("attention_table"))
     return GpuSpec(**gpu, sources=r.sources)
 

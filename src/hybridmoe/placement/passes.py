@@ -72,12 +72,8 @@ def default_slot_bytes(cost: CostModel) -> float:
 class PassBuilder:
     """Builds the units of decode steps and prefill chunks for one cost model and residency."""
 
-    def __init__(self, cost: CostModel, residency: Residency, ops_per_step: int = 0):
-        """ops_per_step: host-launched ops of one forward of our implementation (counted, not timed); each
-        costs the accelerator profile's op_latency_us when it has one."""
+    def __init__(self, cost: CostModel, residency: Residency):
         self.cost, self.res, self.spec = cost, residency, cost.spec
-        latency = cost.gpu.op_latency_us if cost.gpu is not None and cost.gpu.op_latency_us else 0.0
-        self.step_overhead_s = ops_per_step * latency * 1e-6
         self._moe_cache: dict[tuple, list[Unit]] = {}  # MoE units do not depend on the chunk's offset
         self._attention_cache: dict[tuple, tuple[Unit, str]] = {}
 
@@ -149,8 +145,6 @@ class PassBuilder:
                 continue
             units.extend(self._moe_decode_units(shape, batch, experts_on, where))
         units.append(self._lm_head_unit(batch))
-        if self.step_overhead_s:
-            units.append(Unit("op launches", -1, handoff_s=self.step_overhead_s))
         return units, where
 
     def _moe_decode_units(self, shape, batch: int, experts_on: str, where: dict[str, str]) -> list[Unit]:
@@ -220,8 +214,6 @@ class PassBuilder:
                 units.extend(self._moe_cache[key])
         if last:
             units.append(self._lm_head_unit(1))
-        if self.step_overhead_s:
-            units.append(Unit("op launches", -1, handoff_s=self.step_overhead_s))
         return units
 
     def _dense_prefill_unit(self, l: int, chunk: int, on_cpu: bool, share: float) -> Unit:
