@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -40,6 +41,12 @@ inline typename V::F decode(const uint8_t* p) {
   else if constexpr (F == WFormat::F16) return V::load_f16(reinterpret_cast<const uint16_t*>(p));
   else if constexpr (F == kFp8Normal) return V::load_fp8_normal(p);
   else return V::load_fp8(p);
+}
+
+// Software prefetch of the `kBytes` bytes at p (whole cache lines).
+template <I64 kBytes>
+inline void prefetch_bytes(const uint8_t* p) {
+  for (I64 off = 0; off < kBytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
 }
 
 // A per-thread scratch buffer of at least n floats (grows, never shrinks).

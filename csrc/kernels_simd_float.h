@@ -10,25 +10,51 @@ namespace hm {
 namespace {
 // acc[i][j] += sum over k in [k0, k1) of W[row i][k] * x[token j][k]. kPadded: rows readable (zero) up to a
 // multiple of W; else the last partial vector is copied into a zero-padded buffer (x is zero-padded always).
+// next (may be nullptr): the start of the R rows that follow (R * row length * B contiguous bytes), prefetched
+// at the rate this tile's rows are read, so that the next tile's first lines do not wait on memory (hardware
+// prefetchers restart at every row and page). Small tiles (R * MT <= 4) keep a second set of accumulators so
+// that 2 * R * MT FMA chains are in flight.
 template <class V, WFormat F, bool kPadded, int R, int MT>
 inline void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* const* xr,
-                       typename V::F (&acc)[R][MT]) {
+                       typename V::F (&acc)[R][MT], const uint8_t* next = nullptr) {
   constexpr int W = V::W;
   constexpr I64 B = bytes_per_weight<F>();
+  const uint8_t* row[R];
+  const float* xs[MT];
+  for (int i = 0; i < R; ++i) row[i] = rowp[i];
+  for (int j = 0; j < MT; ++j) xs[j] = xr[j];
   I64 k = k0;
+  if constexpr (R * MT <= 4) {
+    typename V::F acc2[R][MT];
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < MT; ++j) acc2[i][j] = V::zero();
+    for (; k + 2 * W <= k1; k += 2 * W) {
+      if (next) prefetch_bytes<R * 2 * W * B>(next + k * R * B);
+      for (int i = 0; i < R; ++i) {
+        const typename V::F w0 = decode<V, F>(row[i] + k * B), w1 = decode<V, F>(row[i] + (k + W) * B);
+        for (int j = 0; j < MT; ++j) {
+          acc[i][j] = V::fma(w0, V::load(xs[j] + k), acc[i][j]);
+          acc2[i][j] = V::fma(w1, V::load(xs[j] + k + W), acc2[i][j]);
+        }
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < MT; ++j) acc[i][j] = V::add(acc[i][j], acc2[i][j]);
+  }
   for (; k + W <= k1 || (kPadded && k < k1); k += W) {
+    if (next) prefetch_bytes<R * W * B>(next + k * R * B);
     for (int i = 0; i < R; ++i) {
-      const typename V::F w = decode<V, F>(rowp[i] + k * B);
-      for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xr[j] + k), acc[i][j]);
+      const typename V::F w = decode<V, F>(row[i] + k * B);
+      for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xs[j] + k), acc[i][j]);
     }
   }
   if (!kPadded && k < k1) {
     alignas(64) uint8_t tail[W * B];
     for (int i = 0; i < R; ++i) {
       std::memset(tail, 0, sizeof(tail));
-      std::memcpy(tail, rowp[i] + k * B, static_cast<size_t>((k1 - k) * B));
+      std::memcpy(tail, row[i] + k * B, static_cast<size_t>((k1 - k) * B));
       const typename V::F w = decode<V, F>(tail);
-      for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xr[j] + k), acc[i][j]);
+      for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xs[j] + k), acc[i][j]);
     }
   }
 }
@@ -44,10 +70,11 @@ inline void zero_and_finish(typename V::F (&acc)[R][MT], float (*out)[MT], bool 
 
 // out[i][j] = sum over k in [0, n) of W[row i][k] * x[token j][k].
 template <class V, WFormat F, bool kPadded, int R, int MT>
-inline void fp_tile(const uint8_t* const* rowp, I64 n, const float* const* xr, float (&out)[R][MT]) {
+inline void fp_tile(const uint8_t* const* rowp, I64 n, const float* const* xr, float (&out)[R][MT],
+                    const uint8_t* next = nullptr) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
-  accumulate<V, F, kPadded, R, MT>(rowp, 0, n, xr, acc);
+  accumulate<V, F, kPadded, R, MT>(rowp, 0, n, xr, acc, next);
   zero_and_finish<V, R, MT>(acc, out, true);
 }
 
@@ -56,13 +83,13 @@ inline void fp_tile(const uint8_t* const* rowp, I64 n, const float* const* xr, f
 // products * 2^-16; x_fast == nullptr: exact everywhere).
 template <class V, int R, int MT>
 inline void fp8_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows, const float* const* xfast,
-                     const float* const* xexact, float (&out)[R][MT]) {
+                     const float* const* xexact, float (&out)[R][MT], const uint8_t* next) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
   uint8_t flags = 0;
   for (int i = 0; i < R; ++i) flags |= w.row_flags[rows[i]];
   if (xfast && !(flags & kRowHasSubnormal)) {  // the common case: whole rows in one loop
-    accumulate<V, kFp8Normal, false, R, MT>(rowp, 0, w.cols, xfast, acc);
+    accumulate<V, kFp8Normal, false, R, MT>(rowp, 0, w.cols, xfast, acc, next);
     zero_and_finish<V, R, MT>(acc, out, true);
     return;
   }
@@ -70,8 +97,8 @@ inline void fp8_tile(const Matrix& w, const uint8_t* const* rowp, const I64* row
     const I64 k1 = imin(w.cols, k0 + w.block_cols);
     bool exact = xfast == nullptr;
     for (int i = 0; i < R; ++i) exact |= block_has_subnormal(w, rows[i], kb);
-    if (exact) accumulate<V, WFormat::FP8, false, R, MT>(rowp, k0, k1, xexact, acc);
-    else accumulate<V, kFp8Normal, false, R, MT>(rowp, k0, k1, xfast, acc);
+    if (exact) accumulate<V, WFormat::FP8, false, R, MT>(rowp, k0, k1, xexact, acc, next);
+    else accumulate<V, kFp8Normal, false, R, MT>(rowp, k0, k1, xfast, acc, next);
   }
   zero_and_finish<V, R, MT>(acc, out, true);
 }
@@ -88,20 +115,22 @@ inline void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_rows, bool 
 }
 
 // All token tiles of one 4-row tile: y rows [row0, row0 + valid) (+)= W4 [k0, k0 + n) . x[m][k0, k0 + n).
+// next: the following tile's rows, prefetched while the first token tile reads this one (may be nullptr).
 template <class V, WFormat F, bool kPadded>
 inline void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const float* const* xrows, I64 M, I64 k0,
-                                float* y, I64 ldy, I64 row0, I64 valid, bool first, float scale = 1.0f) {
+                                float* y, I64 ldy, I64 row0, I64 valid, bool first, float scale = 1.0f,
+                                const uint8_t* next = nullptr) {
   I64 m = 0;
   for (; m + 2 <= M; m += 2) {  // 4 rows x 2 tokens: each x vector feeds 4 FMAs (x streams from L2)
     const float* xr[2] = {xrows[m] + k0, xrows[m + 1] + k0};
     float o[4][2];
-    fp_tile<V, F, kPadded, 4, 2>(rowp, n, xr, o);
+    fp_tile<V, F, kPadded, 4, 2>(rowp, n, xr, o, m == 0 ? next : nullptr);
     store_tile<4, 2>(y, ldy, m, row0, valid, first, o, scale);
   }
   if (m < M) {
     const float* xr[1] = {xrows[m] + k0};
     float o[4][1];
-    fp_tile<V, F, kPadded, 4, 1>(rowp, n, xr, o);
+    fp_tile<V, F, kPadded, 4, 1>(rowp, n, xr, o, m == 0 ? next : nullptr);
     store_tile<4, 1>(y, ldy, m, row0, valid, first, o, scale);
   }
 }
@@ -110,20 +139,20 @@ inline void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const float* 
 template <class V>
 inline void fp8_row_tile_all_tokens(const Matrix& w, const uint8_t* const* rowp, const I64* rows,
                                     const float* const* xfast, const float* const* xexact, I64 M, float* y, I64 ldy,
-                                    I64 row0, I64 valid) {
+                                    I64 row0, I64 valid, const uint8_t* next) {
   I64 m = 0;
   for (; m + 2 <= M; m += 2) {
     const float* xf[2] = {xfast ? xfast[m] : nullptr, xfast ? xfast[m + 1] : nullptr};
     const float* xe[2] = {xexact[m], xexact[m + 1]};
     float o[4][2];
-    fp8_tile<V, 4, 2>(w, rowp, rows, xfast ? xf : nullptr, xe, o);
+    fp8_tile<V, 4, 2>(w, rowp, rows, xfast ? xf : nullptr, xe, o, m == 0 ? next : nullptr);
     store_tile<4, 2>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
   }
   if (m < M) {
     const float* xf[1] = {xfast ? xfast[m] : nullptr};
     const float* xe[1] = {xexact[m]};
     float o[4][1];
-    fp8_tile<V, 4, 1>(w, rowp, rows, xfast ? xf : nullptr, xe, o);
+    fp8_tile<V, 4, 1>(w, rowp, rows, xfast ? xf : nullptr, xe, o, m == 0 ? next : nullptr);
     store_tile<4, 1>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
   }
 }
@@ -140,21 +169,23 @@ inline void set_nan_rows(const Matrix& w, I64 r0, I64 r1, I64 M, float* y, I64 l
 inline bool scale_activations(const Matrix& w, const float* srow, const Activations& x, float unscale, float* dst,
                               const float** rows) {
   const I64 K = w.cols;
-  bool finite = true;
+  int overflow = 0;  // branch-free, so that the loop vectorises
   for (I64 m = 0; m < x.m; ++m) {
     float* out = dst + m * x.ldx;
     const float* src = x_row(x, m);
     for (I64 kb = 0; kb < K; kb += w.block_cols) {
       const float s = srow[kb / w.block_cols] * unscale;
-      for (I64 k = kb; k < imin(K, kb + w.block_cols); ++k) {
-        out[k] = src[k] * s;
-        finite &= !__builtin_isinf(out[k]) || __builtin_isinf(src[k]);
+      const I64 ke = imin(K, kb + w.block_cols);
+      for (I64 k = kb; k < ke; ++k) {
+        const float v = src[k] * s;
+        out[k] = v;
+        overflow |= static_cast<int>(std::fabs(v) > FLT_MAX) & static_cast<int>(std::fabs(src[k]) <= FLT_MAX);
       }
     }
     for (I64 k = K; k < x.ldx; ++k) out[k] = 0.0f;
     rows[m] = out;
   }
-  return finite;
+  return !overflow;
 }
 
 // The end of the segment of rows starting at r that share one fp8 scale row (rows of one row block).
@@ -178,7 +209,8 @@ void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
     for (I64 r = r0; r < r1; r += 4) {
       const uint8_t* rowp[4];
       for (int i = 0; i < 4; ++i) rowp[i] = w.data + imin(r + i, r1 - 1) * w.row_bytes;  // short tile: repeat
-      row_tile_all_tokens<V, F, false>(rowp, K, xrows, M, 0, y, ldy, r - r0, imin(4, r1 - r), true);
+      const uint8_t* next = r + 4 < r1 ? w.data + (r + 4) * w.row_bytes : nullptr;
+      row_tile_all_tokens<V, F, false>(rowp, K, xrows, M, 0, y, ldy, r - r0, imin(4, r1 - r), true, 1.0f, next);
     }
     return;
   }
@@ -202,8 +234,9 @@ void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
         scale_activations(w, srow, x, kFp8ExactUnscale, scaled + M * x.ldx, exact_rows);
         exact_ready = true;
       }
+      const uint8_t* next = r + 4 < r1 ? w.data + (r + 4) * w.row_bytes : nullptr;
       fp8_row_tile_all_tokens<V>(w, rowp, rows, fast ? xrows : nullptr, exact_rows, M, y, ldy, r - r0,
-                                 imin(4, s1 - r));
+                                 imin(4, s1 - r), next);
     }
     s0 = s1;
   }

@@ -31,11 +31,13 @@ inline __m256 load_scales8(const uint16_t* p) {
 // out[i][j] = sum over groups [g0, g1) of ws[i][g] * xs[j][g] * (integer dot of the group), kChunks = g / 32.
 // Scales are combined 8 groups at a time in vectors (weight scale x activation scale into a small table the
 // group loop broadcasts from), and so is the correction for unsigned-offset dot products (offset * ws * xs *
-// sum(q)).
+// sum(q)). next (may be nullptr): the start of the R rows that follow, prefetched at the rate these are read
+// (see accumulate in kernels_simd_float.h).
 template <class V, WFormat F, ScaleType ST, int kChunks, int R, int MT>
 inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 g0, I64 g1,
                      const int8_t* const* xq, const float* const* xs, const float* const* xsum,
-                     float (&out)[R][MT]) {
+                     float (&out)[R][MT], const uint8_t* next = nullptr) {
+  constexpr I64 kChunkBytes = F == WFormat::INT4 ? 16 : 32;  // bytes of one row's 32 elements
   constexpr float kOffset = F == WFormat::INT4 ? 8.0f : static_cast<float>(V::kI8Offset);
   constexpr int kGroup = 32 * kChunks;
   __m256 accf[R][MT], corr[R][MT];
@@ -66,6 +68,7 @@ inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I6
         for (int j = 0; j < MT; ++j) acci[i][j] = _mm256_setzero_si256();
       for (int c = 0; c < kChunks; ++c) {
         const I64 e = e0 + c * 32;
+        if (next) prefetch_bytes<R * kChunkBytes>(next + e / 32 * R * kChunkBytes);
         __m256i wv[R];
         for (int i = 0; i < R; ++i) {
           if constexpr (F == WFormat::INT4) wv[i] = unpack_u4(rowp[i] + e / 2);
@@ -107,6 +110,7 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
         srow[i] = scales + ri * w.scale_stride;
       }
       const I64 valid = imin(4, r1 - r), row0 = r - r0;
+      const uint8_t* next = !gemm && r + 4 < r1 ? w.data + (r + 4) * w.row_bytes : nullptr;
       I64 m = 0;
       for (; m + 4 <= M; m += 4) {
         const int8_t* xq[4];
@@ -118,7 +122,8 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
         }
         for (int i = 0; i < 4; i += kWideRows) {
           float o[kWideRows][4];
-          int_tile<V, F, ST, kChunks, kWideRows, 4>(rowp + i, srow + i, g0, g1, xq, xs, xsum, o);
+          int_tile<V, F, ST, kChunks, kWideRows, 4>(rowp + i, srow + i, g0, g1, xq, xs, xsum, o,
+                                                    m == 0 && next ? next + i * w.row_bytes : nullptr);
           store_tile<kWideRows, 4>(y, ldy, m, row0 + i, valid - i, first, o);
         }
       }
@@ -128,7 +133,8 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
         const float* xsum[2] = {qsum_row(x, m), qsum_row(x, m + 1)};
         for (int i = 0; i < 4; i += 2) {
           float o[2][2];
-          int_tile<V, F, ST, kChunks, 2, 2>(rowp + i, srow + i, g0, g1, xq, xs, xsum, o);
+          int_tile<V, F, ST, kChunks, 2, 2>(rowp + i, srow + i, g0, g1, xq, xs, xsum, o,
+                                            m == 0 && next ? next + i * w.row_bytes : nullptr);
           store_tile<2, 2>(y, ldy, m, row0 + i, valid - i, first, o);
         }
       }
@@ -137,7 +143,7 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
         const float* xs[1] = {qscale_row(x, m)};
         const float* xsum[1] = {qsum_row(x, m)};
         float o[4][1];
-        int_tile<V, F, ST, kChunks, 4, 1>(rowp, srow, g0, g1, xq, xs, xsum, o);
+        int_tile<V, F, ST, kChunks, 4, 1>(rowp, srow, g0, g1, xq, xs, xsum, o, m == 0 ? next : nullptr);
         store_tile<4, 1>(y, ldy, m, row0, valid, first, o);
       }
     }
