@@ -19,8 +19,7 @@ using I64 = int64_t;
 inline I64 imin(I64 a, I64 b) { return a < b ? a : b; }
 inline I64 imax(I64 a, I64 b) { return a > b ? a : b; }
 
-constexpr I64 kRowBlock = 256;      // rows a GEMM pass covers per K chunk (the chunk's activations stay in L2)
-constexpr I64 kGemmChunkK = 1024;   // K elements per GEMM chunk (activations of the tile's tokens stay in L2)
+constexpr I64 kGemmChunkK = 1024;  // K elements per chunk of the int GEMM path (the tokens' activations stay in L2)
 
 // Decoding of fp8 rows without subnormal codes (the common case): value * 2^-120 by bit placement, 3 operations
 // a vector. WFormat::FP8 itself decodes exactly through IEEE half bits (value * 2^-8).

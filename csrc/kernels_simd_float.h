@@ -258,34 +258,97 @@ inline void decode_store(const uint8_t* src, float* dst, I64 kb, I64 ke, typenam
   }
 }
 
-// GEMM path: K in chunks whose activations stay in L2; each 4-row tile's chunk is decoded once (scales
-// applied) into a float32 panel in L1, then every token tile runs FMA-only register tiles over it. Float32
-// weights are read in place.
+// x^T of one K chunk: xt[k * ld + j] = x[token j][k0 + k] for k < n, j < M, zero for j in [M, ld).
+inline void transpose_chunk(const float* const* xrows, I64 M, I64 k0, I64 n, float* xt, I64 ld) {
+  constexpr I64 kTile = 8;  // 8 x 8 blocks: both sides stay in few cache lines
+  for (I64 kb = 0; kb < n; kb += kTile) {
+    const I64 ke = imin(n, kb + kTile);
+    for (I64 jb = 0; jb < M; jb += kTile)
+      for (I64 j = jb; j < imin(M, jb + kTile); ++j) {
+        const float* src = xrows[j] + k0;
+        for (I64 k = kb; k < ke; ++k) xt[k * ld + j] = src[k];
+      }
+    for (I64 k = kb; k < ke; ++k)
+      for (I64 j = M; j < ld; ++j) xt[k * ld + j] = 0.0f;
+  }
+}
+
+// Outer-product register tile: out[i][j] = sum over k < n of panel[i][k] * xt[k][j] for MR rows and NV * W
+// tokens; each step broadcasts MR weights and loads NV token vectors for MR * NV FMAs (no horizontal sums).
+// Not inlined: its 12 accumulators need every vector register, which the caller's live values would take.
+template <class V, int MR, int NV>
+__attribute__((noinline)) void outer_tile(const float* panel, I64 panel_ld, const float* xt, I64 xt_ld, I64 n,
+                       float (&out)[MR][NV * V::W]) {
+  constexpr int W = V::W;
+  typename V::F acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = V::zero();
+  for (I64 k = 0; k < n; ++k) {
+    typename V::F xv[NV];
+    for (int v = 0; v < NV; ++v) xv[v] = V::load(xt + k * xt_ld + v * W);
+    for (int i = 0; i < MR; ++i) {
+      const typename V::F b = V::set1(panel[i * panel_ld + k]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(b, xv[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) V::store(out[i] + v * W, acc[i][v]);
+}
+
+// y[(m0 + j) * ldy + row0 + i] (+)= out[i][j] for the tile's valid rows and tokens.
+template <int MR, int NT>
+inline void store_outer(float* y, I64 ldy, I64 m0, I64 tokens, I64 row0, I64 valid_rows, bool first,
+                        const float (&out)[MR][NT]) {
+  for (I64 j = 0; j < tokens; ++j) {
+    float* dst = y + (m0 + j) * ldy + row0;
+    for (int i = 0; i < MR && i < valid_rows; ++i) dst[i] = first ? out[i][j] : dst[i] + out[i][j];
+  }
+}
+
+constexpr int kOuterRows = 6;        // rows per outer-product tile (6 x 16 tokens = 12 accumulators)
+constexpr I64 kOuterChunkK = 256;    // K per chunk: the tile's panel and the chunk's x^T stay in L1/L2
+
+// GEMM path: K in chunks; per chunk the tokens' activations are transposed once (x^T, tokens contiguous),
+// then each 6-row tile's chunk is decoded once (scales applied) into a float32 panel and multiplied by every
+// block of 16 tokens as outer products (weights broadcast, token vectors loaded). Float32 weights are read in
+// place.
 template <class V, WFormat F>
 void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
-  constexpr int W = V::W;
+  constexpr int W = V::W, MR = kOuterRows;
   constexpr I64 B = bytes_per_weight<F>();
   const I64 K = w.cols, M = x.m;
+  const I64 bc = F == WFormat::FP8 ? w.block_cols : kOuterChunkK;
+  const I64 kc = bc * imax(1, kOuterChunkK / bc);
+  const I64 panel_ld = (kc + W - 1) / W * W, xt_ld = (M + W - 1) / W * W;
+  float* panel = scratch_floats(MR * panel_ld + kc * xt_ld);
+  float* xt = panel + MR * panel_ld;
   const float** xrows = scratch_pointers(M);
   for (I64 m = 0; m < M; ++m) xrows[m] = x_row(x, m);
-  const I64 bc = F == WFormat::FP8 ? w.block_cols : kGemmChunkK;
-  const I64 kc = bc * imax(1, kGemmChunkK / bc);
-  const I64 panel_ld = (kc + W - 1) / W * W;
-  float* panel = scratch_floats(4 * panel_ld);
   const float* scales = static_cast<const float*>(w.scales);
-  for (I64 rb = r0; rb < r1; rb += kRowBlock) {
-    const I64 re = imin(rb + kRowBlock, r1);
-    for (I64 k0 = 0; k0 < K; k0 += kc) {
-      const I64 n = imin(kc, K - k0);
-      for (I64 r = rb; r < re; r += 4) {
-        const uint8_t* rowp[4];
-        for (int i = 0; i < 4; ++i) {
-          const I64 ri = imin(r + i, re - 1);  // a short tile repeats its last row (not stored)
+  for (I64 k0 = 0; k0 < K; k0 += kc) {
+    const I64 n = imin(kc, K - k0);
+    transpose_chunk(xrows, M, k0, n, xt, xt_ld);
+    for (I64 r = r0; r < r1; r += MR) {
+      const I64 valid = imin(MR, r1 - r);
+      const float* tile = panel;
+      I64 tile_ld = panel_ld;
+      if constexpr (F == WFormat::F32) {
+        tile = reinterpret_cast<const float*>(w.data + r * w.row_bytes) + k0;
+        tile_ld = w.row_bytes / 4;
+        if (valid < MR) {  // a short tile: its rows copied, the last repeated, so that no row past r1 is read
+          for (int i = 0; i < MR; ++i)
+            std::memcpy(panel + i * panel_ld, tile + imin(i, valid - 1) * tile_ld, static_cast<size_t>(n) * 4);
+          tile = panel;
+          tile_ld = panel_ld;
+        }
+      } else {
+        constexpr I64 kAhead = 2 * MR;  // the chunk of the tile after next streams in while this one computes
+        for (I64 i = r + kAhead; i < imin(r + kAhead + MR, r1); ++i)
+          for (I64 off = 0; off < n * B; off += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(w.data + i * w.row_bytes + k0 * B + off), _MM_HINT_T0);
+        for (int i = 0; i < MR; ++i) {
+          const I64 ri = r + imin(i, valid - 1);  // a short tile repeats its last row (not stored)
           const uint8_t* src = w.data + ri * w.row_bytes + k0 * B;
-          if constexpr (F == WFormat::F32) {
-            rowp[i] = src;
-            continue;
-          }
           float* dst = panel + i * panel_ld;
           if constexpr (F == WFormat::FP8) {
             const float* srow = scales + (ri / w.block_rows) * w.scale_stride;
@@ -299,13 +362,19 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
           } else {
             decode_store<V, F>(src, dst, 0, n, V::set1(1.0f));
           }
-          for (I64 k = n; k < (n + W - 1) / W * W; ++k) dst[k] = 0.0f;
-          rowp[i] = reinterpret_cast<const uint8_t*>(dst);
         }
-        if constexpr (F == WFormat::F32)
-          row_tile_all_tokens<V, WFormat::F32, false>(rowp, n, xrows, M, k0, y, ldy, r - r0, imin(4, re - r), k0 == 0);
-        else
-          row_tile_all_tokens<V, WFormat::F32, true>(rowp, n, xrows, M, k0, y, ldy, r - r0, imin(4, re - r), k0 == 0);
+      }
+      for (I64 m0 = 0; m0 < M; m0 += 2 * W) {
+        const I64 tokens = imin(2 * W, M - m0);
+        if (tokens > W) {
+          float out[MR][2 * W];
+          outer_tile<V, MR, 2>(tile, tile_ld, xt + m0, xt_ld, n, out);
+          store_outer<MR, 2 * W>(y, ldy, m0, tokens, r - r0, valid, k0 == 0, out);
+        } else {
+          float out[MR][W];
+          outer_tile<V, MR, 1>(tile, tile_ld, xt + m0, xt_ld, n, out);
+          store_outer<MR, W>(y, ldy, m0, tokens, r - r0, valid, k0 == 0, out);
+        }
       }
     }
   }

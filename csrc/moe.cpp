@@ -67,9 +67,10 @@ struct ActBuffer {
   }
 };
 
-// Rows per task: blocks of 128 rows, halved (down to 16) until there are >= 8 tasks per thread.
-I64 task_rows(I64 rows, I64 num_slots, int threads) {
-  I64 blk = 128;
+// Rows per task: blocks of 128 rows (1024 when the GEMM path runs: it transposes the tokens' activations once
+// per task), halved (down to 16) until there are >= 8 tasks per thread.
+I64 task_rows(I64 rows, I64 num_slots, int threads, bool gemm = false) {
+  I64 blk = gemm ? 1024 : 128;
   while (blk > 16 && num_slots * ceil_div(rows, blk) < 8 * static_cast<I64>(threads)) blk /= 2;
   return blk;
 }
@@ -183,11 +184,12 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   std::vector<I64> blk_i(static_cast<size_t>(N), 1), blocks_i(static_cast<size_t>(N), 0), tasks(static_cast<size_t>(N));
   I64 max_tokens = 0, max_blk = 1;
   for (I64 s = 0; s < S; ++s) max_tokens = std::max(max_tokens, slot_begin[s + 1] - slot_begin[s]);
+  const bool gemm = in.path == MatmulPath::Gemm || (in.path == MatmulPath::Auto && max_tokens >= kGemmMinTokens);
   for (int n = 0; n < N; ++n) {
     if (!active(n)) continue;
     const I64 rows = nodes[n].end - nodes[n].begin;
     inter[n].init(T * K, nodes[n].experts[first_expert].down);
-    blk_i[n] = task_rows(rows, S, node_threads(n));
+    blk_i[n] = task_rows(rows, S, node_threads(n), gemm);
     blocks_i[n] = ceil_div(rows, blk_i[n]);
     max_blk = std::max(max_blk, blk_i[n]);
   }
@@ -216,7 +218,7 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   for (int n = 0; n < N; ++n) {
     if (!active(n)) continue;
     y[n].resize(static_cast<size_t>(T * K * H));
-    blk_h[n] = task_rows(H, S, node_threads(n));
+    blk_h[n] = task_rows(H, S, node_threads(n), gemm);
     blocks_h[n] = ceil_div(H, blk_h[n]);
   }
   for (int n = 0; n < N; ++n) tasks[n] = S * blocks_h[n];

@@ -186,7 +186,7 @@ def bench_shape(name: str, fmts: list[str], quick: bool, bandwidth: float, peak:
     hidden, inter, num_experts, top_k = SHAPES[name]
     tokens_list = QUICK_TOKENS[name] if quick else TOKENS
     pool_bytes = (256 if quick else 1024) << 20
-    repeats = 2 if quick else 6
+    repeats = 4 if quick else 8
     source = _Bytes()
     flops_per_pair = 2 * 3 * hidden * inter
     bf16_pool = ExpertPool("bf16", hidden, inter, num_experts, pool_bytes, source)
