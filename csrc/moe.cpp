@@ -20,7 +20,13 @@ using I64 = int64_t;
 I64 round_up(I64 v, I64 m) { return (v + m - 1) / m * m; }
 I64 ceil_div(I64 a, I64 b) { return (a + b - 1) / b; }
 
-// Activation rows of one matrix format, owned.
+// Grows v to at least n elements (never shrinks: memory reused between calls costs no page faults).
+template <class T>
+void grow(std::vector<T>& v, I64 n) {
+  if (static_cast<I64>(v.size()) < n) v.resize(static_cast<size_t>(n));
+}
+
+// Activation rows of one matrix format, owned; the storage is reused by later init calls.
 struct ActBuffer {
   I64 rows = 0, k = 0;
   std::vector<float> x;  // [rows, ldx], zero-padded
@@ -29,19 +35,23 @@ struct ActBuffer {
   I64 ldq = 0, ldg = 0, group = 0;
   std::vector<float> qscale, qsum;  // [rows, ldg]
 
-  // Sized for `rows` inputs of length k feeding matrices like `w` (float rows, or int8 rows per group).
+  // Sized for `rows` inputs of length k feeding matrices like `w` (float rows, or int8 rows per group). Only
+  // each row's padding beyond k is zeroed: the caller writes [0, k) of every row it uses, and quantize()
+  // writes whole groups.
   void init(I64 n_rows, const Matrix& w) {
     rows = n_rows;
     k = w.cols;
     ldx = round_up(k + 1, 16);  // + 1 keeps rows from aliasing cache sets when k is a power of two
-    x.assign(static_cast<size_t>(rows * ldx), 0.0f);
+    grow(x, rows * ldx);
+    for (I64 r = 0; r < rows; ++r) std::fill(row(r) + k, row(r) + ldx, 0.0f);
+    group = 0;
     if (is_int_format(w.fmt)) {
       group = w.group;
       ldq = w.padded_cols;
       ldg = w.padded_cols / w.group;
-      q.assign(static_cast<size_t>(rows * ldq), 0);
-      qscale.assign(static_cast<size_t>(rows * ldg), 0.0f);
-      qsum.assign(static_cast<size_t>(rows * ldg), 0.0f);
+      grow(q, rows * ldq);
+      grow(qscale, rows * ldg);
+      grow(qsum, rows * ldg);
     }
   }
   float* row(I64 r) { return x.data() + r * ldx; }
@@ -164,9 +174,19 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   auto node_threads = [&](int n) { return N > 1 ? pool.node_threads(n) : threads; };
   auto active = [&](int n) { return nodes[n].begin < nodes[n].end; };
 
+  // Buffers of this thread's calls, reused (a T = 256 call of DeepSeek-V3 shapes needs ~80 MB; fresh pages
+  // would cost a fault each on every call).
+  struct Workspace {
+    ActBuffer xin;
+    std::vector<ActBuffer> inter;
+    std::vector<float> scratch;
+    std::vector<std::vector<float>> y;
+  };
+  static thread_local Workspace ws;
+
   // prepare: hidden -> activations for gate/up (shared by the nodes)
   const I64 first_expert = slots[0];
-  ActBuffer xin;
+  ActBuffer& xin = ws.xin;
   xin.init(T, experts_[first_expert].gate);
   pool.parallel_for(T, [&](I64 t, int) {
     float* dst = xin.row(t);
@@ -180,7 +200,8 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   });
 
   // gate/up: per node (slot x block of its I rows) -> inter[n][pair row, i - begin] = silu(gate) * up
-  std::vector<ActBuffer> inter(static_cast<size_t>(N));
+  if (static_cast<int>(ws.inter.size()) < N) ws.inter.resize(static_cast<size_t>(N));
+  std::vector<ActBuffer>& inter = ws.inter;
   std::vector<I64> blk_i(static_cast<size_t>(N), 1), blocks_i(static_cast<size_t>(N), 0), tasks(static_cast<size_t>(N));
   I64 max_tokens = 0, max_blk = 1;
   for (I64 s = 0; s < S; ++s) max_tokens = std::max(max_tokens, slot_begin[s + 1] - slot_begin[s]);
@@ -194,14 +215,15 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
     max_blk = std::max(max_blk, blk_i[n]);
   }
   for (int n = 0; n < N; ++n) tasks[n] = S * blocks_i[n];
-  std::vector<float> scratch(static_cast<size_t>(threads) * 2 * max_tokens * max_blk);
+  grow(ws.scratch, static_cast<I64>(threads) * 2 * max_tokens * max_blk);
+  float* scratch = ws.scratch.data();
   pool.parallel_for_nodes(tasks, [&](int n, I64 task, int thread) {
     const I64 bi = blk_i[n], rows = nodes[n].end - nodes[n].begin;
     const I64 s = task / blocks_i[n], r0 = (task % blocks_i[n]) * bi, r1 = std::min(rows, r0 + bi);
     const ExpertMatrices& ex = nodes[n].experts[slots[s]];
     const I64 m = slot_begin[s + 1] - slot_begin[s];
     const Activations acts = xin.view(m, pair_token.data() + slot_begin[s], 0);
-    float* g = scratch.data() + static_cast<size_t>(thread) * 2 * max_tokens * max_blk;
+    float* g = scratch + static_cast<size_t>(thread) * 2 * max_tokens * max_blk;
     float* u = g + max_tokens * bi;
     kt.matmul(ex.gate, r0, r1, acts, g, bi, in.path);
     kt.matmul(ex.up, r0, r1, acts, u, bi, in.path);
@@ -213,11 +235,12 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   }
 
   // down: per node (slot x block of H rows) -> y[n][pair row, h], the node's partial over its I columns
-  std::vector<std::vector<float>> y(static_cast<size_t>(N));
+  if (static_cast<int>(ws.y.size()) < N) ws.y.resize(static_cast<size_t>(N));
+  std::vector<std::vector<float>>& y = ws.y;
   std::vector<I64> blk_h(static_cast<size_t>(N), 1), blocks_h(static_cast<size_t>(N), 0);
   for (int n = 0; n < N; ++n) {
     if (!active(n)) continue;
-    y[n].resize(static_cast<size_t>(T * K * H));
+    grow(y[n], T * K * H);  // every element is written by the down phase
     blk_h[n] = task_rows(H, S, node_threads(n), gemm);
     blocks_h[n] = ceil_div(H, blk_h[n]);
   }
