@@ -19,7 +19,11 @@ def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _tolerance(fmt: str, dtype: torch.dtype) -> float:
-    base = 3e-2 if fmt in ("int4", "int8") else 2e-5  # int: activations quantised to int8 per group
+    # int: hidden and intermediate activations quantised to int8 per group against a float64 reference that
+    # quantises nothing; over 120 random cases (these shapes) the max error reached 0.031 (p95 0.023, median
+    # 0.015). The int kernels themselves are checked to 1e-5 against a quantisation-aware reference
+    # (test_matmul_int).
+    base = 5e-2 if fmt in ("int4", "int8") else 2e-5
     return base + (1e-2 if dtype == torch.bfloat16 else 0.0)
 
 

@@ -28,7 +28,7 @@ def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _reference_tolerance(fmt: str) -> float:
-    return 3e-2 if fmt in ("int4", "int8") else 2e-5  # as test_moe (fp32 hidden)
+    return 5e-2 if fmt in ("int4", "int8") else 2e-5  # as test_moe (fp32 hidden; see its _tolerance)
 
 
 def _emulated_nodes(n: int) -> list[list[int]]:
