@@ -63,9 +63,10 @@ inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I6
     }
     for (I64 gi = 0; gi < nb; ++gi) {
       const I64 e0 = (gb + gi) * kGroup;
-      __m256i acci[R][MT];
+      constexpr bool kPairs16 = F == WFormat::INT4 && V::kPairSums16;
+      __m256i acci[R][MT], acc16[R][MT];
       for (int i = 0; i < R; ++i)
-        for (int j = 0; j < MT; ++j) acci[i][j] = _mm256_setzero_si256();
+        for (int j = 0; j < MT; ++j) acci[i][j] = acc16[i][j] = _mm256_setzero_si256();
       for (int c = 0; c < kChunks; ++c) {
         const I64 e = e0 + c * 32;
         if (next) prefetch_bytes<R * kChunkBytes>(next + e / 32 * R * kChunkBytes);
@@ -77,11 +78,15 @@ inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I6
         for (int j = 0; j < MT; ++j) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + e));
           for (int i = 0; i < R; ++i) {
-            if constexpr (F == WFormat::INT4) acci[i][j] = V::dot_u4(acci[i][j], wv[i], xv);
+            if constexpr (kPairs16) acc16[i][j] = V::pairs_u4(acc16[i][j], wv[i], xv);
+            else if constexpr (F == WFormat::INT4) acci[i][j] = V::dot_u4(acci[i][j], wv[i], xv);
             else acci[i][j] = V::dot_i8(acci[i][j], wv[i], xv);
           }
         }
       }
+      if constexpr (kPairs16)
+        for (int i = 0; i < R; ++i)
+          for (int j = 0; j < MT; ++j) acci[i][j] = V::widen_pairs(acc16[i][j]);
       for (int i = 0; i < R; ++i)
         for (int j = 0; j < MT; ++j)
           accf[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[i][j]), _mm256_broadcast_ss(&combined[i][j][gi]),

@@ -60,6 +60,7 @@ struct Avx512 {
   }
 
   static __m256i dot_u4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+  static constexpr bool kPairSums16 = false;  // vpdpbusd sums into int32 in one instruction
   // vpdpbusd wants unsigned x signed: weights + 128 (xor 0x80), corrected by -128 * sum(s) afterwards.
   static constexpr int kI8Offset = 128;
   static __m256i dot_i8(__m256i acc, __m256i w, __m256i s) {

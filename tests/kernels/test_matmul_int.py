@@ -33,6 +33,26 @@ def test_int_kernels_match_their_exact_arithmetic(each_isa, fmt, group, scale_dt
             assert (err <= 1e-5 * magnitude + 1e-6).all(), f"{rows}x{cols} T={tokens}: max error {err.max():.3g}"
 
 
+@pytest.mark.parametrize("fmt,group", [(fmt, group) for fmt in formats.INT_FORMATS for group in formats.INT_GROUPS])
+@pytest.mark.parametrize("path", ["gemv", "gemm"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_largest_codes_do_not_overflow_integer_sums(each_isa, fmt, group, path, sign):
+    """Every weight at its largest code and every activation at +-127 after quantisation: the kernels' integer
+    partial sums (int16 pair sums over a 128-group for int4 on AVX2) are at their extremes; a wrapped sum would
+    be off by thousands, while the float combination of group sums rounds only at 1e-7 relative."""
+    rows, cols = 9, 512
+    qmax = 7 if fmt == "int4" else 127
+    w = torch.full((rows, cols), float(qmax))
+    w[1::2] = -float(qmax)
+    data, scales = (formats.quantize_int4 if fmt == "int4" else formats.quantize_int8)(w, group, torch.bfloat16)
+    m = kernel_matrix(fmt, data, scales, cols=cols)
+    for tokens in (1, 9):
+        x = torch.full((tokens, cols), sign)
+        ref = reference.int_matmul_reference(fmt, data, scales, cols, x)
+        err = (matmul(m, x, path).double() - ref).abs()
+        assert (err <= 1e-5 * ref.abs()).all(), f"T={tokens}: max error {err.max():.3g}"
+
+
 @pytest.mark.parametrize("fmt,group,scale_dtype", CASES)
 def test_int_kernels_approximate_the_float_product(fmt, group, scale_dtype):
     """Against float64 of the dequantised weights and unquantised activations: only the int8 activation
