@@ -305,12 +305,21 @@ inline void store_outer(float* y, I64 ldy, I64 m0, I64 tokens, I64 row0, I64 val
   }
 }
 
-constexpr int kOuterRows = 6;        // rows per outer-product tile (6 x 16 tokens = 12 accumulators)
+// One block of up to NV * W tokens of an outer-product tile, stored into y.
+template <class V, int MR, int NV>
+inline void outer_block(const float* tile, I64 tile_ld, const float* xt, I64 xt_ld, I64 n, float* y, I64 ldy,
+                        I64 m0, I64 tokens, I64 row0, I64 valid, bool first) {
+  float out[MR][NV * V::W];
+  outer_tile<V, MR, NV>(tile, tile_ld, xt + m0, xt_ld, n, out);
+  store_outer<MR, NV * V::W>(y, ldy, m0, tokens, row0, valid, first, out);
+}
+
+constexpr int kOuterRows = 4;        // rows per outer-product tile (4 x 24 tokens = 12 accumulators)
 constexpr I64 kOuterChunkK = 256;    // K per chunk: the tile's panel and the chunk's x^T stay in L1/L2
 
 // GEMM path: K in chunks; per chunk the tokens' activations are transposed once (x^T, tokens contiguous),
-// then each 6-row tile's chunk is decoded once (scales applied) into a float32 panel and multiplied by every
-// block of 16 tokens as outer products (weights broadcast, token vectors loaded). Float32 weights are read in
+// then each 4-row tile's chunk is decoded once (scales applied) into a float32 panel and multiplied by every
+// block of 24 tokens as outer products (weights broadcast, token vectors loaded). Float32 weights are read in
 // place.
 template <class V, WFormat F>
 void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
@@ -364,17 +373,13 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
           }
         }
       }
-      for (I64 m0 = 0; m0 < M; m0 += 2 * W) {
-        const I64 tokens = imin(2 * W, M - m0);
-        if (tokens > W) {
-          float out[MR][2 * W];
-          outer_tile<V, MR, 2>(tile, tile_ld, xt + m0, xt_ld, n, out);
-          store_outer<MR, 2 * W>(y, ldy, m0, tokens, r - r0, valid, k0 == 0, out);
-        } else {
-          float out[MR][W];
-          outer_tile<V, MR, 1>(tile, tile_ld, xt + m0, xt_ld, n, out);
-          store_outer<MR, W>(y, ldy, m0, tokens, r - r0, valid, k0 == 0, out);
-        }
+      for (I64 m0 = 0; m0 < M; m0 += 3 * W) {  // blocks of 24 tokens; the last one as few vectors as it needs
+        const I64 tokens = imin(3 * W, M - m0);
+        if (tokens > 2 * W) outer_block<V, MR, 3>(tile, tile_ld, xt, xt_ld, n, y, ldy, m0, tokens, r - r0, valid,
+                                                  k0 == 0);
+        else if (tokens > W) outer_block<V, MR, 2>(tile, tile_ld, xt, xt_ld, n, y, ldy, m0, tokens, r - r0, valid,
+                                                   k0 == 0);
+        else outer_block<V, MR, 1>(tile, tile_ld, xt, xt_ld, n, y, ldy, m0, tokens, r - r0, valid, k0 == 0);
       }
     }
   }

@@ -12,7 +12,7 @@ from hybridmoe.kernels.weights import kernel_matrix
 from kernel_testing import random_fp8
 
 SHAPES = [(1, 1), (5, 7), (37, 100), (64, 256), (131, 300)]  # (N rows, K cols)
-TOKENS = [1, 2, 3, 5, 9, 17, 24, 40]  # GEMM token blocks: 16 + 1, 16 + 8, 16 + 16 + 8
+TOKENS = [1, 2, 3, 5, 9, 17, 24, 40]  # GEMM token blocks of 24: one to three vectors, 24 + 16
 
 
 def _check(out: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, rtol: float = 3e-6) -> None:
