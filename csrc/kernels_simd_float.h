@@ -8,13 +8,13 @@
 
 namespace hm {
 namespace {
-// acc[i][j] += sum over k in [k0, k1) of W[row i][k] * x[token j][k]. kPadded: rows readable (zero) up to a
-// multiple of W; else the last partial vector is copied into a zero-padded buffer (x is zero-padded always).
+// acc[i][j] += sum over k in [k0, k1) of W[row i][k] * x[token j][k]; the rows' last partial vector is read
+// through a zero-padded copy (x is zero-padded always).
 // next (may be nullptr): the start of the R rows that follow (R * row length * B contiguous bytes), prefetched
 // at the rate this tile's rows are read, so that the next tile's first lines do not wait on memory (hardware
 // prefetchers restart at every row and page). Small tiles (R * MT <= 4) keep a second set of accumulators so
 // that 2 * R * MT FMA chains are in flight.
-template <class V, WFormat F, bool kPadded, int R, int MT>
+template <class V, WFormat F, int R, int MT>
 inline void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* const* xr,
                        typename V::F (&acc)[R][MT], const uint8_t* next = nullptr) {
   constexpr int W = V::W;
@@ -41,14 +41,14 @@ inline void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* 
     for (int i = 0; i < R; ++i)
       for (int j = 0; j < MT; ++j) acc[i][j] = V::add(acc[i][j], acc2[i][j]);
   }
-  for (; k + W <= k1 || (kPadded && k < k1); k += W) {
+  for (; k + W <= k1; k += W) {
     if (next) prefetch_bytes<R * W * B>(next + k * R * B);
     for (int i = 0; i < R; ++i) {
       const typename V::F w = decode<V, F>(row[i] + k * B);
       for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xs[j] + k), acc[i][j]);
     }
   }
-  if (!kPadded && k < k1) {
+  if (k < k1) {
     alignas(64) uint8_t tail[W * B];
     for (int i = 0; i < R; ++i) {
       std::memset(tail, 0, sizeof(tail));
@@ -69,12 +69,12 @@ inline void zero_and_finish(typename V::F (&acc)[R][MT], float (*out)[MT], bool 
 }
 
 // out[i][j] = sum over k in [0, n) of W[row i][k] * x[token j][k].
-template <class V, WFormat F, bool kPadded, int R, int MT>
+template <class V, WFormat F, int R, int MT>
 inline void fp_tile(const uint8_t* const* rowp, I64 n, const float* const* xr, float (&out)[R][MT],
                     const uint8_t* next = nullptr) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
-  accumulate<V, F, kPadded, R, MT>(rowp, 0, n, xr, acc, next);
+  accumulate<V, F, R, MT>(rowp, 0, n, xr, acc, next);
   zero_and_finish<V, R, MT>(acc, out, true);
 }
 
@@ -89,7 +89,7 @@ inline void fp8_tile(const Matrix& w, const uint8_t* const* rowp, const I64* row
   uint8_t flags = 0;
   for (int i = 0; i < R; ++i) flags |= w.row_flags[rows[i]];
   if (xfast && !(flags & kRowHasSubnormal)) {  // the common case: whole rows in one loop
-    accumulate<V, kFp8Normal, false, R, MT>(rowp, 0, w.cols, xfast, acc, next);
+    accumulate<V, kFp8Normal, R, MT>(rowp, 0, w.cols, xfast, acc, next);
     zero_and_finish<V, R, MT>(acc, out, true);
     return;
   }
@@ -97,13 +97,13 @@ inline void fp8_tile(const Matrix& w, const uint8_t* const* rowp, const I64* row
     const I64 k1 = imin(w.cols, k0 + w.block_cols);
     bool exact = xfast == nullptr;
     for (int i = 0; i < R; ++i) exact |= block_has_subnormal(w, rows[i], kb);
-    if (exact) accumulate<V, WFormat::FP8, false, R, MT>(rowp, k0, k1, xexact, acc, next);
-    else accumulate<V, kFp8Normal, false, R, MT>(rowp, k0, k1, xfast, acc, next);
+    if (exact) accumulate<V, WFormat::FP8, R, MT>(rowp, k0, k1, xexact, acc, next);
+    else accumulate<V, kFp8Normal, R, MT>(rowp, k0, k1, xfast, acc, next);
   }
   zero_and_finish<V, R, MT>(acc, out, true);
 }
 
-// y[(m + j) * ldy + row0 + i] (+)= out[i][j] for the tile's valid rows.
+// y[(m + j) * ldy + row0 + i] (+)= out[i][j] * scale for the tile's valid rows (first: =).
 template <int R, int MT>
 inline void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_rows, bool first, const float (&out)[R][MT],
                        float scale = 1.0f) {
@@ -114,24 +114,23 @@ inline void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_rows, bool 
     }
 }
 
-// All token tiles of one 4-row tile: y rows [row0, row0 + valid) (+)= W4 [k0, k0 + n) . x[m][k0, k0 + n).
+// All token tiles of one 4-row tile over whole rows: y rows [row0, row0 + valid) = W4 . x[m].
 // next: the following tile's rows, prefetched while the first token tile reads this one (may be nullptr).
-template <class V, WFormat F, bool kPadded>
-inline void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const float* const* xrows, I64 M, I64 k0,
-                                float* y, I64 ldy, I64 row0, I64 valid, bool first, float scale = 1.0f,
-                                const uint8_t* next = nullptr) {
+template <class V, WFormat F>
+inline void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const float* const* xrows, I64 M, float* y,
+                                I64 ldy, I64 row0, I64 valid, const uint8_t* next) {
   I64 m = 0;
   for (; m + 2 <= M; m += 2) {  // 4 rows x 2 tokens: each x vector feeds 4 FMAs (x streams from L2)
-    const float* xr[2] = {xrows[m] + k0, xrows[m + 1] + k0};
+    const float* xr[2] = {xrows[m], xrows[m + 1]};
     float o[4][2];
-    fp_tile<V, F, kPadded, 4, 2>(rowp, n, xr, o, m == 0 ? next : nullptr);
-    store_tile<4, 2>(y, ldy, m, row0, valid, first, o, scale);
+    fp_tile<V, F, 4, 2>(rowp, n, xr, o, m == 0 ? next : nullptr);
+    store_tile<4, 2>(y, ldy, m, row0, valid, true, o);
   }
   if (m < M) {
-    const float* xr[1] = {xrows[m] + k0};
+    const float* xr[1] = {xrows[m]};
     float o[4][1];
-    fp_tile<V, F, kPadded, 4, 1>(rowp, n, xr, o, m == 0 ? next : nullptr);
-    store_tile<4, 1>(y, ldy, m, row0, valid, first, o, scale);
+    fp_tile<V, F, 4, 1>(rowp, n, xr, o, m == 0 ? next : nullptr);
+    store_tile<4, 1>(y, ldy, m, row0, valid, true, o);
   }
 }
 
@@ -210,7 +209,7 @@ void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
       const uint8_t* rowp[4];
       for (int i = 0; i < 4; ++i) rowp[i] = w.data + imin(r + i, r1 - 1) * w.row_bytes;  // short tile: repeat
       const uint8_t* next = r + 4 < r1 ? w.data + (r + 4) * w.row_bytes : nullptr;
-      row_tile_all_tokens<V, F, false>(rowp, K, xrows, M, 0, y, ldy, r - r0, imin(4, r1 - r), true, 1.0f, next);
+      row_tile_all_tokens<V, F>(rowp, K, xrows, M, y, ldy, r - r0, imin(4, r1 - r), next);
     }
     return;
   }
