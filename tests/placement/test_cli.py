@@ -49,6 +49,7 @@ def test_plan_from_a_model_directory(tmp_path, capsys):
     (["plan", "--model", "deepseek-v3", "--vram", "1GB", "--hardware", "rtx4090,epyc-genoa-2s"], "raise --vram"),
     (["simulate", "--model", "deepseek-v3"], "--hardware are required"),
     (["simulate", "--model", "deepseek-v3", "--hardware", "rtx9999,epyc-genoa-2s"], "unknown hardware"),
+    (["profile", "--routing-model", "some-model-dir"], "--routing-model needs --out"),  # keeps the hardware profile
 ])
 def test_errors_say_what_is_wrong(argv, message, capsys):
     assert main(argv) == 2

@@ -116,3 +116,16 @@ def test_abort_ends_a_running_request(model_dir):
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
     assert {(o.req_id, o.finish_reason) for o in finished} == {(a, "abort"), (b, "length")}
+
+
+def test_a_small_step_leaves_the_callers_torch_threads_as_they_were(model_dir):
+    """Steps of few tokens run torch on one thread; the caller's thread count is restored afterwards (a later
+    large step, or another runner, uses it)."""
+    llm = LLM(model_dir)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm.generate([_prompts(1)[0]], SamplingParams(max_tokens=3))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -30,7 +30,7 @@ CACHE_BYTES = 32 * 2**20  # working sets are several times a large last-level ca
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("profile", help="measure this machine and save a hardware profile")
-    p.add_argument("--out", default=str(DEFAULT_PROFILE), help=f"where to write it (default {DEFAULT_PROFILE})")
+    p.add_argument("--out", help=f"where to write it (default {DEFAULT_PROFILE}; required with --routing-model)")
     p.add_argument("--quick", action="store_true", help="smaller working sets and fewer repeats (less exact)")
     p.add_argument("--formats", default="fp8,int4,bf16", help="expert formats to measure (default fp8,int4,bf16)")
     p.add_argument("--threads", type=int, help="threads for torch and the kernels (default: all CPUs)")
@@ -337,6 +337,8 @@ def run(args) -> int:
     from hybridmoe.placement.hardware import ProfileError, profile_to_json
 
     if args.routing_model:
+        if not args.out:  # the default path holds the hardware profile, which routing statistics must not replace
+            raise ValueError("--routing-model needs --out FILE (routing statistics are not a hardware profile)")
         prompts = (Path(args.prompts).read_text().splitlines() if args.prompts else list(SAMPLE_PROMPTS))
         prompts = [p for p in prompts if p.strip()]
         out = Path(args.out).expanduser()
@@ -358,7 +360,7 @@ def run(args) -> int:
             pass
     try:
         data = build_profile(args.quick, formats, log=lambda msg: print(msg, file=sys.stderr))
-        out = Path(args.out).expanduser()
+        out = Path(args.out or DEFAULT_PROFILE).expanduser()
         out.parent.mkdir(parents=True, exist_ok=True)
         profile_to_json(data, out)
     except (RuntimeError, ProfileError, OSError) as e:

@@ -28,7 +28,8 @@ class SequenceChunk:
 
 # Below this many tokens in a step, torch's own ops (attention, norms, small matmuls) run on one thread: their
 # work is microseconds, and waking a team of intra-op threads costs more than it saves (ten times more when
-# another process holds a core). The routed experts keep all cores through the C++ kernels' own pool.
+# another process holds a core). The routed experts keep all cores through the C++ kernels' own pool. The
+# caller's thread count is restored after the step (larger steps use it).
 SINGLE_THREAD_MAX_TOKENS = 64
 
 
@@ -37,7 +38,6 @@ class ModelRunner:
         self.model, self.num_blocks, self.block_size = model, num_blocks, block_size
         shape = model.kv_cache_shape(num_blocks, block_size)
         self.kv_caches = [torch.zeros(shape, dtype=model.dtype) for _ in range(model.config.num_layers)]
-        self.max_threads = torch.get_num_threads()
 
     @staticmethod
     def blocks_for_memory(model: MoEDecoderModel, kv_cache_bytes: int, block_size: int) -> int:
@@ -69,8 +69,13 @@ class ModelRunner:
         logits_indices = None
         if not all_logits:
             logits_indices = torch.tensor(query_lens, dtype=torch.long).cumsum(0) - 1  # last token of each
-        threads = 1 if len(token_ids) <= SINGLE_THREAD_MAX_TOKENS else self.max_threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        return self.model.forward(torch.tensor(token_ids, dtype=torch.long),
-                                  torch.tensor(positions, dtype=torch.long), meta, self.kv_caches, logits_indices)
+        caller_threads = torch.get_num_threads()
+        single = len(token_ids) <= SINGLE_THREAD_MAX_TOKENS and caller_threads != 1
+        if single:
+            torch.set_num_threads(1)
+        try:
+            return self.model.forward(torch.tensor(token_ids, dtype=torch.long),
+                                      torch.tensor(positions, dtype=torch.long), meta, self.kv_caches, logits_indices)
+        finally:
+            if single:
+                torch.set_num_threads(caller_threads)
