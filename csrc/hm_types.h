@@ -72,6 +72,11 @@ enum class MatmulPath : int { Auto = 0, Gemv = 1, Gemm = 2 };
 // Tokens per expert from which the tiled GEMM path (K blocked for the caches) replaces the GEMV path.
 constexpr int64_t kGemmMinTokens = 8;
 
+// Whether `tokens` tokens of one expert take the GEMM path.
+static inline bool use_gemm(MatmulPath path, int64_t tokens) {
+  return path == MatmulPath::Gemm || (path == MatmulPath::Auto && tokens >= kGemmMinTokens);
+}
+
 // The kernels one ISA provides. All pointers are non-null in a table that exists.
 struct KernelTable {
   const char* name;

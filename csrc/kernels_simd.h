@@ -6,9 +6,11 @@
 //    with the block scale and 2^120 folded into one multiply) and FMA'd against fp32 activations;
 //  - int formats (int4, int8): int8 activations quantised per group, integer dot products (maddubs or VNNI),
 //    one float multiply-add per group with the weight and activation scales.
-// Register tiles of R rows x MT tokens share each decoded weight vector across tokens. GEMV path (few tokens):
-// whole rows at once. GEMM path (many tokens): K split into chunks that keep the tokens' activations in L2
-// while the rows stream past (partial sums accumulate in y).
+// GEMV path (few tokens): register tiles of R rows x MT tokens over whole rows (vectors along K), sharing each
+// decoded weight vector across tokens, the next tile's rows prefetched. GEMM path (many tokens), K in chunks:
+// float formats decode a panel of rows once and multiply it by the transposed activations as outer products
+// (vectors along tokens); int formats keep row x token tiles of integer dot products, partial sums
+// accumulating in y.
 //
 // Everything here has internal linkage (anonymous namespace) and uses no std:: templates, so that code
 // compiled for one ISA can never be linked into another ISA's path.
@@ -24,7 +26,7 @@ namespace {
 
 template <class V>
 void matmul(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, MatmulPath path) {
-  const bool gemm = path == MatmulPath::Gemm || (path == MatmulPath::Auto && x.m >= kGemmMinTokens);
+  const bool gemm = use_gemm(path, x.m);
   const bool bf16_scales = w.scale_type == ScaleType::BF16;
   switch (w.fmt) {
     case WFormat::F32: return matmul_fp<V, WFormat::F32>(w, r0, r1, x, y, ldy, gemm);

@@ -48,6 +48,13 @@ inline void prefetch_bytes(const uint8_t* p) {
   for (I64 off = 0; off < kBytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
 }
 
+// The R rows after the tile starting at row r, to prefetch while the tile is read, or nullptr: only when they
+// lie within the task's rows [.., r1) and are stored back to back (row_bytes == row_read_bytes, the bytes a
+// tile reads per row), since the prefetch walks their R * row_read_bytes bytes linearly.
+inline const uint8_t* next_tile_rows(const Matrix& w, I64 r, I64 r1, I64 R, I64 row_read_bytes) {
+  return r + 2 * R <= r1 && w.row_bytes == row_read_bytes ? w.data + (r + R) * w.row_bytes : nullptr;
+}
+
 // A per-thread scratch buffer of at least n floats (grows, never shrinks).
 inline float* scratch_floats(I64 n) {
   static thread_local float* buf = nullptr;

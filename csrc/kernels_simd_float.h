@@ -16,7 +16,7 @@ namespace {
 // that 2 * R * MT FMA chains are in flight.
 template <class V, WFormat F, int R, int MT>
 inline void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* const* xr,
-                       typename V::F (&acc)[R][MT], const uint8_t* next = nullptr) {
+                       typename V::F (&acc)[R][MT], const uint8_t* next) {
   constexpr int W = V::W;
   constexpr I64 B = bytes_per_weight<F>();
   const uint8_t* row[R];
@@ -71,7 +71,7 @@ inline void zero_and_finish(typename V::F (&acc)[R][MT], float (*out)[MT], bool 
 // out[i][j] = sum over k in [0, n) of W[row i][k] * x[token j][k].
 template <class V, WFormat F, int R, int MT>
 inline void fp_tile(const uint8_t* const* rowp, I64 n, const float* const* xr, float (&out)[R][MT],
-                    const uint8_t* next = nullptr) {
+                    const uint8_t* next) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
   accumulate<V, F, R, MT>(rowp, 0, n, xr, acc, next);
@@ -208,7 +208,7 @@ void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
     for (I64 r = r0; r < r1; r += 4) {
       const uint8_t* rowp[4];
       for (int i = 0; i < 4; ++i) rowp[i] = w.data + imin(r + i, r1 - 1) * w.row_bytes;  // short tile: repeat
-      const uint8_t* next = r + 4 < r1 ? w.data + (r + 4) * w.row_bytes : nullptr;
+      const uint8_t* next = next_tile_rows(w, r, r1, 4, K * bytes_per_weight<F>());
       row_tile_all_tokens<V, F>(rowp, K, xrows, M, y, ldy, r - r0, imin(4, r1 - r), next);
     }
     return;
@@ -233,7 +233,7 @@ void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
         scale_activations(w, srow, x, kFp8ExactUnscale, scaled + M * x.ldx, exact_rows);
         exact_ready = true;
       }
-      const uint8_t* next = r + 4 < r1 ? w.data + (r + 4) * w.row_bytes : nullptr;
+      const uint8_t* next = next_tile_rows(w, r, r1, 4, K);
       fp8_row_tile_all_tokens<V>(w, rowp, rows, fast ? xrows : nullptr, exact_rows, M, y, ldy, r - r0,
                                  imin(4, s1 - r), next);
     }
@@ -313,12 +313,12 @@ inline void outer_block(const float* tile, I64 tile_ld, const float* xt, I64 xt_
   store_outer<MR, NV * V::W>(y, ldy, m0, tokens, row0, valid, first, out);
 }
 
-constexpr int kOuterRows = 4;        // rows per outer-product tile (4 x 24 tokens = 12 accumulators)
+constexpr int kOuterRows = 4;        // rows per outer-product tile (4 rows x 3 vectors of tokens = 12 accumulators)
 constexpr I64 kOuterChunkK = 256;    // K per chunk: the tile's panel and the chunk's x^T stay in L1/L2
 
 // GEMM path: K in chunks; per chunk the tokens' activations are transposed once (x^T, tokens contiguous),
 // then each 4-row tile's chunk is decoded once (scales applied) into a float32 panel and multiplied by every
-// block of 24 tokens as outer products (weights broadcast, token vectors loaded). Float32 weights are read in
+// block of 3 vectors of tokens (24 on AVX2) as outer products (weights broadcast, token vectors loaded). Float32 weights are read in
 // place.
 template <class V, WFormat F>
 void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
@@ -372,7 +372,7 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
           }
         }
       }
-      for (I64 m0 = 0; m0 < M; m0 += 3 * W) {  // blocks of 24 tokens; the last one as few vectors as it needs
+      for (I64 m0 = 0; m0 < M; m0 += 3 * W) {  // blocks of 3 vectors; the last one as few vectors as it needs
         const I64 tokens = imin(3 * W, M - m0);
         if (tokens > 2 * W) outer_block<V, MR, 3>(tile, tile_ld, xt, xt_ld, n, y, ldy, m0, tokens, r - r0, valid,
                                                   k0 == 0);

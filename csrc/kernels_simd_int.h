@@ -36,7 +36,7 @@ inline __m256 load_scales8(const uint16_t* p) {
 template <class V, WFormat F, ScaleType ST, int kChunks, int R, int MT>
 inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 g0, I64 g1,
                      const int8_t* const* xq, const float* const* xs, const float* const* xsum,
-                     float (&out)[R][MT], const uint8_t* next = nullptr) {
+                     float (&out)[R][MT], const uint8_t* next) {
   constexpr I64 kChunkBytes = F == WFormat::INT4 ? 16 : 32;  // bytes of one row's 32 elements
   constexpr float kOffset = F == WFormat::INT4 ? 8.0f : static_cast<float>(V::kI8Offset);
   constexpr int kGroup = 32 * kChunks;
@@ -115,7 +115,8 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
         srow[i] = scales + ri * w.scale_stride;
       }
       const I64 valid = imin(4, r1 - r), row0 = r - r0;
-      const uint8_t* next = !gemm && r + 4 < r1 ? w.data + (r + 4) * w.row_bytes : nullptr;
+      const I64 row_read = F == WFormat::INT4 ? w.padded_cols / 2 : w.padded_cols;
+      const uint8_t* next = gemm ? nullptr : next_tile_rows(w, r, r1, 4, row_read);
       I64 m = 0;
       for (; m + 4 <= M; m += 4) {
         const int8_t* xq[4];

@@ -77,7 +77,7 @@ struct ActBuffer {
   }
 };
 
-// Rows per task: blocks of 128 rows (1024 when the GEMM path runs: it transposes the tokens' activations once
+// Rows per task: blocks of 128 rows (1024 for the float GEMM path: it transposes the tokens' activations once
 // per task), halved (down to 16) until there are >= 8 tasks per thread.
 I64 task_rows(I64 rows, I64 num_slots, int threads, bool gemm = false) {
   I64 blk = gemm ? 1024 : 128;
@@ -205,7 +205,7 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   std::vector<I64> blk_i(static_cast<size_t>(N), 1), blocks_i(static_cast<size_t>(N), 0), tasks(static_cast<size_t>(N));
   I64 max_tokens = 0, max_blk = 1;
   for (I64 s = 0; s < S; ++s) max_tokens = std::max(max_tokens, slot_begin[s + 1] - slot_begin[s]);
-  const bool gemm = in.path == MatmulPath::Gemm || (in.path == MatmulPath::Auto && max_tokens >= kGemmMinTokens);
+  const bool gemm = use_gemm(in.path, max_tokens) && !is_int_format(fmt_);  // the float GEMM transposes x
   for (int n = 0; n < N; ++n) {
     if (!active(n)) continue;
     const I64 rows = nodes[n].end - nodes[n].begin;

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from hybridmoe.kernels import formats
@@ -63,3 +65,8 @@ def random_routing(tokens: int, top_k: int, num_experts: int, gen: torch.Generat
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen) + 0.1
     return ids, weights / weights.sum(-1, keepdim=True)
+
+
+def seed(*parts) -> int:
+    """A generator seed from a test's parameters, the same in every process (hash() of str is not)."""
+    return zlib.crc32(repr(parts).encode())

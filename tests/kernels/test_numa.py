@@ -15,7 +15,7 @@ import torch
 
 from hybridmoe.kernels import isa, numa, reference
 from hybridmoe.kernels.moe import FusedMoE
-from kernel_testing import random_experts, random_routing
+from kernel_testing import random_experts, random_routing, seed
 
 E, H, I, K = 5, 200, 300, 2  # I = 300: a partial fp8 block (44), a padded int group, not a multiple of N x 32
 # (format, int group) -> the granularity the layer must cut I on
@@ -53,7 +53,7 @@ def _check_shards(shards, granularity: int, nodes: int) -> None:
 @pytest.mark.parametrize("nodes", [2, 3])
 @pytest.mark.parametrize("fmt,group,granularity", CASES)
 def test_split_over_nodes_matches_single_node_and_float64(each_isa, nodes, fmt, group, granularity):
-    gen = torch.Generator().manual_seed(hash((fmt, group, nodes, each_isa)) % 2**31)
+    gen = torch.Generator().manual_seed(seed(fmt, group, nodes, each_isa))
     kwargs, exact = random_experts(fmt, E, H, I, gen, group=group)
     batches = list(_batches(gen))
     single = FusedMoE(**kwargs)
@@ -71,7 +71,7 @@ def test_split_over_nodes_matches_single_node_and_float64(each_isa, nodes, fmt, 
 
 @pytest.mark.parametrize("fmt,group,granularity", CASES)
 def test_shard_copies_hold_every_weight_once(fmt, group, granularity):
-    gen = torch.Generator().manual_seed(hash((fmt, group, "copy")) % 2**31)
+    gen = torch.Generator().manual_seed(seed(fmt, group, "copy"))
     kwargs, exact = random_experts(fmt, E, H, I, gen, group=group)
     batches = list(_batches(gen))
     expected = [FusedMoE(**kwargs)(*batch) for batch in batches]

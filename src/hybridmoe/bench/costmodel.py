@@ -372,7 +372,6 @@ class ModelBench:
         from hybridmoe.models.loader import load_model
         from hybridmoe.runtime.model_runner import ModelRunner
 
-        self.model_dir = model_dir
         self.case = EngineCase(model_dir)
         self.tiny = load_model(minimal_width_copy(model_dir, scratch), "auto", "cpu", show_progress=False)
         self.tiny_runner = ModelRunner(self.tiny, 4, BLOCK)
@@ -442,19 +441,14 @@ class EngineCase:
     def routing(self, kind: str, tokens: int, context: int) -> list[list[int]]:
         """Per MoE layer, how many (token, expert) pairs each expert gets in the step (one untimed step with
         the router's choices counted; the observers are removed again, timed steps run without them)."""
-        from hybridmoe.layers.moe.block import MoEBlock
-
         if kind == "decode":
             self.runner.forward(self.chunk(0, context))  # fill the cache
-        routed: list[torch.Tensor] = []  # topk_ids [T, K] per MoE layer
-        blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
-        for block in blocks:
-            block.routing_observers.append(routed.append)
+        routed: list[torch.Tensor] = []  # topk_ids [T, K] per MoE layer, in order
+        remove = self.model.add_routing_observer(lambda _index, ids: routed.append(ids))
         try:
             self.runner.forward(self.chunk(context, 1) if kind == "decode" else self.chunk(0, tokens))
         finally:
-            for block in blocks:
-                block.routing_observers.remove(routed.append)
+            remove()
         return [torch.bincount(ids.flatten(), minlength=self.config.moe.num_experts).tolist() for ids in routed]
 
     @torch.inference_mode()

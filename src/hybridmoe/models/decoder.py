@@ -58,11 +58,21 @@ class MoEDecoderModel:
         self.config, self.spec, self.dtype = config, spec, dtype
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
 
-    def add_routing_observer(self, observe: Callable[[int, torch.Tensor], None]) -> None:
-        """Call observe(layer_index, topk_ids [T, K]) at every MoE layer of every forward (routing statistics)."""
+    def add_routing_observer(self, observe: Callable[[int, torch.Tensor], None]) -> Callable[[], None]:
+        """Call observe(layer_index, topk_ids [T, K]) at every MoE layer of every forward (routing statistics);
+        returns a function that removes the observer again."""
+        added = []
         for index, layer in enumerate(self.layers):
             if isinstance(layer.mlp, MoEBlock):
-                layer.mlp.routing_observers.append(lambda ids, index=index: observe(index, ids))
+                hook = lambda ids, index=index: observe(index, ids)  # noqa: E731
+                layer.mlp.routing_observers.append(hook)
+                added.append((layer.mlp.routing_observers, hook))
+
+        def remove() -> None:
+            for observers, hook in added:
+                observers.remove(hook)
+
+        return remove
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache tensor."""

@@ -179,9 +179,6 @@ class EngineTables:
 # ---- costing ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EnginePrediction:
-    kind: str
-    queries: int
-    context: int
     seconds: float
     parts: dict[str, float]  # COST_PARTS -> seconds
 
@@ -232,4 +229,4 @@ def predict_step(config: ModelConfig, tables: EngineTables, kind: str, tokens: i
     parts["host"] = host_seconds(config, tables, kind)
     for op in engine_ops(config, queries, seq_len, routing):
         parts[op.kind if op.kind != "batched_linear" else "linear"] += op_seconds(op, tables, kind)
-    return EnginePrediction(kind, queries, seq_len, sum(parts.values()), parts)
+    return EnginePrediction(sum(parts.values()), parts)

@@ -20,39 +20,39 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridmoe.config import ModelConfig
+from hybridmoe.placement.routing import RoutingStats
 
 
 @dataclass(frozen=True)
 class Op:
-    """One op (or `count` identical ops) of a step: what it is, where it belongs, and its shape."""
+    """One op (or `count` identical ops) of a step: what it is and its shape."""
 
     kind: str  # "linear" | "batched_linear" | "attention" | "experts" | "elementwise"
-    part: str  # "attention" | "mlp" | "moe" | "model" (embedding, final norm, LM head)
     shape: tuple[float, ...]  # linear (rows, cols, tokens); batched_linear (batch, rows, cols, tokens);
     # attention (queries, context); experts (experts, tokens each); elementwise (elements,)
     count: int = 1
 
 
-def _norm(part: str, elements: float) -> list[Op]:
+def _norm(elements: float) -> list[Op]:
     """rms_norm: pow, mean, x * rsqrt, weight * x over every element (the float32 casts are no-ops)."""
-    return [Op("elementwise", part, (elements,), 4)]
+    return [Op("elementwise", (elements,), 4)]
 
 
-def _rope(part: str, tokens: int, heads: int, dims: int) -> list[Op]:
+def _rope(tokens: int, heads: int, dims: int) -> list[Op]:
     """RotaryEmbedding.apply: four products, a difference and a sum over half the dims, then a cat."""
-    return [Op("elementwise", part, (tokens * heads * dims / 2,), 6), Op("elementwise", part, (tokens * heads * dims,))]
+    return [Op("elementwise", (tokens * heads * dims / 2,), 6), Op("elementwise", (tokens * heads * dims,))]
 
 
 def _gqa_ops(c: ModelConfig, T: int, C: int) -> list[Op]:
     a, H = c.attention, c.hidden_size
     N, Nk, D = a.num_heads, a.num_kv_heads, a.head_dim
-    ops = [Op("linear", "attention", (N * D, H, T)), Op("linear", "attention", (Nk * D, H, T), 2)]
+    ops = [Op("linear", (N * D, H, T)), Op("linear", (Nk * D, H, T), 2)]
     if a.qk_norm:
-        ops += _norm("attention", T * N * D) + _norm("attention", T * Nk * D)
-    ops += [Op("elementwise", "attention", (T * c.rope.rotary_dim / 2,), 6)]  # cos/sin of the positions
-    ops += _rope("attention", T, N, D) + _rope("attention", T, Nk, D)
-    ops += [Op("elementwise", "attention", (T * Nk * D,), 2),  # K and V into the paged cache
-            Op("attention", "attention", (T, C)), Op("linear", "attention", (H, N * D, T))]
+        ops += _norm(T * N * D) + _norm(T * Nk * D)
+    ops += [Op("elementwise", (T * c.rope.rotary_dim / 2,), 6)]  # cos/sin of the positions
+    ops += _rope(T, N, D) + _rope(T, Nk, D)
+    ops += [Op("elementwise", (T * Nk * D,), 2),  # K and V into the paged cache
+            Op("attention", (T, C)), Op("linear", (H, N * D, T))]
     return ops
 
 
@@ -60,33 +60,33 @@ def _mla_ops(c: ModelConfig, T: int, C: int) -> list[Op]:
     a, H = c.attention, c.hidden_size
     N, L, R, P, Dv = a.num_heads, a.kv_lora_rank, a.qk_rope_head_dim, a.qk_nope_head_dim, a.v_head_dim
     if a.q_lora_rank is None:
-        ops = [Op("linear", "attention", (N * (P + R), H, T))]
+        ops = [Op("linear", (N * (P + R), H, T))]
     else:
         Lq = a.q_lora_rank
-        ops = [Op("linear", "attention", (Lq, H, T))] + _norm("attention", T * Lq)
-        ops += [Op("linear", "attention", (N * (P + R), Lq, T))]
-    ops += [Op("linear", "attention", (L + R, H, T))] + _norm("attention", T * L)
-    ops += [Op("elementwise", "attention", (T * R / 2,), 6)]  # cos/sin of the positions
-    ops += _rope("attention", T, N, R) + _rope("attention", T, 1, R)
-    ops += [Op("elementwise", "attention", (T * (L + R),), 2),  # cat(latent, k_pe) and its cache write
-            Op("batched_linear", "attention", (N, L, P, T)),  # q_nope absorbed through W_uk
-            Op("elementwise", "attention", (T * N * (L + R),)),  # cat(q_lat, q_pe)
-            Op("attention", "attention", (T, C)),
-            Op("batched_linear", "attention", (N, Dv, L, T)),  # attention-weighted latent through W_uv
-            Op("elementwise", "attention", (T * N * Dv,)),  # its [T, N, Dv] view reshaped (a copy)
-            Op("linear", "attention", (H, N * Dv, T))]
+        ops = [Op("linear", (Lq, H, T))] + _norm(T * Lq)
+        ops += [Op("linear", (N * (P + R), Lq, T))]
+    ops += [Op("linear", (L + R, H, T))] + _norm(T * L)
+    ops += [Op("elementwise", (T * R / 2,), 6)]  # cos/sin of the positions
+    ops += _rope(T, N, R) + _rope(T, 1, R)
+    ops += [Op("elementwise", (T * (L + R),), 2),  # cat(latent, k_pe) and its cache write
+            Op("batched_linear", (N, L, P, T)),  # q_nope absorbed through W_uk
+            Op("elementwise", (T * N * (L + R),)),  # cat(q_lat, q_pe)
+            Op("attention", (T, C)),
+            Op("batched_linear", (N, Dv, L, T)),  # attention-weighted latent through W_uv
+            Op("elementwise", (T * N * Dv,)),  # its [T, N, Dv] view reshaped (a copy)
+            Op("linear", (H, N * Dv, T))]
     return ops
 
 
-def _mlp_ops(part: str, H: int, I: int, T: int) -> list[Op]:
+def _mlp_ops(H: int, I: int, T: int) -> list[Op]:
     """GatedMLP: gate and up, silu and product over [T, I], down."""
-    return [Op("linear", part, (I, H, T), 2), Op("elementwise", part, (T * I,), 2), Op("linear", part, (H, I, T))]
+    return [Op("linear", (I, H, T), 2), Op("elementwise", (T * I,), 2), Op("linear", (H, I, T))]
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
     """Expected number of distinct experts `tokens` tokens route to, each choosing top_k of num_experts
-    uniformly: sum over experts of 1 - (1 - K/E)^T."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+    uniformly."""
+    return RoutingStats.uniform((0,), num_experts, top_k).expected_distinct(0, tokens)
 
 
 def _expert_ops(c: ModelConfig, T: int, counts: Sequence[int] | None) -> list[Op]:
@@ -95,22 +95,22 @@ def _expert_ops(c: ModelConfig, T: int, counts: Sequence[int] | None) -> list[Op
     E, K = c.moe.num_experts, c.moe.num_experts_per_tok
     if counts is None:
         active = expected_distinct_experts(E, K, T)
-        return [Op("experts", "moe", (active, T * K / active))]
+        return [Op("experts", (active, T * K / active))]
     if len(counts) != E or sum(counts) != T * K:
         raise ValueError(f"routing counts must give {E} experts {T * K} (token, expert) pairs in all, got "
                          f"{len(counts)} experts and {sum(counts)} pairs")
     values, experts = np.unique([n for n in counts if n > 0], return_counts=True)
-    return [Op("experts", "moe", (float(e), float(v))) for v, e in zip(values, experts)]
+    return [Op("experts", (float(e), float(v))) for v, e in zip(values, experts)]
 
 
 def _moe_ops(c: ModelConfig, T: int, counts: Sequence[int] | None) -> list[Op]:
     m, H = c.moe, c.hidden_size
-    ops = [Op("linear", "moe", (m.num_experts, H, T))]  # router logits (float32 weights)
+    ops = [Op("linear", (m.num_experts, H, T))]  # router logits (float32 weights)
     # scores, top-k and weights over [T, E]: softmax + top-k, or sigmoid + bias + group mask + top-k
-    ops += [Op("elementwise", "moe", (T * m.num_experts,), 2 if m.topk_method != "noaux_tc" else 5)]
+    ops += [Op("elementwise", (T * m.num_experts,), 2 if m.topk_method != "noaux_tc" else 5)]
     ops += _expert_ops(c, T, counts)
     if m.num_shared_experts:
-        ops += _mlp_ops("moe", H, m.shared_intermediate_size, T) + [Op("elementwise", "moe", (T * H,))]
+        ops += _mlp_ops(H, m.shared_intermediate_size, T) + [Op("elementwise", (T * H,))]
     return ops
 
 
@@ -129,16 +129,16 @@ def engine_ops(config: ModelConfig, queries: int, context: int,
         raise ValueError(f"routing counts given for {len(routing)} MoE layers, the model has {moe_layers}")
     counts = iter(routing) if routing is not None else None
     attention = _mla_ops if c.attention.kind == "mla" else _gqa_ops
-    ops = [Op("elementwise", "model", (T * H,))]  # embedding rows
+    ops = [Op("elementwise", (T * H,))]  # embedding rows
     for is_moe in c.moe_layers:
-        ops += _norm("attention", T * H) + attention(c, T, context) + [Op("elementwise", "attention", (T * H,))]
-        ops += _norm("mlp", T * H)
+        ops += _norm(T * H) + attention(c, T, context) + [Op("elementwise", (T * H,))]
+        ops += _norm(T * H)
         if is_moe:
             ops += _moe_ops(c, T, next(counts) if counts is not None else None)
         else:
-            ops += _mlp_ops("mlp", H, c.intermediate_size, T)
-        ops += [Op("elementwise", "mlp", (T * H,))]  # residual add
-    ops += _norm("model", H) + [Op("linear", "model", (c.vocab_size, H, 1))]  # last token's logits
+            ops += _mlp_ops(H, c.intermediate_size, T)
+        ops += [Op("elementwise", (T * H,))]  # residual add
+    ops += _norm(H) + [Op("linear", (c.vocab_size, H, 1))]  # last token's logits
     return ops
 
 
