@@ -49,6 +49,23 @@ def test_fp8_block_scaled(each_isa, block, path):
             _check(matmul(m, x, path), x, w64)
 
 
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "fp8"])
+def test_gemm_rows_outer_and_chunk_outer_orders(each_isa, fmt):
+    """Few tokens: x^T of the whole K fits L2 and tiles run rows-outer; 130 tokens x 1100 cols (> 512 KB of x^T):
+    chunk by chunk over all rows. Both with partial chunks, a partial last row tile and prefetch across tiles."""
+    gen = torch.Generator().manual_seed(seed(fmt, "orders", each_isa))
+    rows, cols = 45, 1100
+    if fmt == "fp8":
+        q, s = random_fp8(rows, cols, (128, 128), gen)
+        w64, m = reference.dequantize("fp8", q, s, block=(128, 128)), kernel_matrix("fp8", q, s, block=(128, 128))
+    else:
+        w = torch.randn(rows, cols, generator=gen).to(torch.float32 if fmt == "f32" else torch.bfloat16)
+        w64, m = w.double(), kernel_matrix(fmt, w)
+    for tokens in (9, 130):
+        x = torch.randn(tokens, cols, generator=gen)
+        _check(matmul(m, x, "gemm"), x, w64)
+
+
 def test_fp8_subnormals_decode_exactly(each_isa):
     gen = torch.Generator().manual_seed(7)
     q, s = random_fp8(40, 264, (128, 128), gen, subnormal_only=True)
