@@ -232,8 +232,11 @@ struct PyMoE {
       matrices.push_back(nb::cast<PyMatrix>(down[e]));
       experts[e] = {matrices[3 * e].m, matrices[3 * e + 1].m, matrices[3 * e + 2].m};
     }
-    nb::gil_scoped_release release;  // copying shards into node memory may take a while
-    layer = std::make_unique<MoELayer>(std::move(experts), hidden, intermediate, global_numa_topology());
+    {
+      nb::gil_scoped_release release;  // copying shards into node memory may take a while
+      layer = std::make_unique<MoELayer>(std::move(experts), hidden, intermediate, global_numa_topology());
+    }
+    if (layer->owns_weights()) matrices.clear();  // every node reads its own copy: let the originals go
   }
 };
 
@@ -360,6 +363,8 @@ NB_MODULE(_native, mod) {
           shards.append(nb::make_tuple(s.begin, s.end, s.copied_bytes, s.bound));
         return shards;
       }, "Per NUMA node: (begin, end) of its intermediate range, bytes copied into its memory, bound (mbind)")
+      .def_prop_ro("owns_weights", [](const PyMoE& m) { return m.layer->owns_weights(); },
+                   "Every node computes from its own copy; the tensors the layer was built from are not used")
       .def("submit", [](nb::object self, nb::object hidden, nb::object ids, nb::object weights, nb::object out,
                         const std::string& path) { return submit(self, hidden, ids, weights, out, path); },
            "hidden"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "path"_a = "auto");
@@ -416,6 +421,13 @@ NB_MODULE(_native, mod) {
   }, "nodes"_a, "memory_nodes"_a = std::vector<int>{}, "copy_shards"_a = false, "num_threads"_a = 0,
      "Replace the topology (empty nodes: detect) and the pool; layers built afterwards are split over it.");
   mod.def("thread_nodes", [] { return global_pool().thread_nodes(); });
+  mod.def("work_buffers", [] {
+    std::vector<WorkBufferInfo> info;
+    run_sync([&info] { info = work_buffers(); });
+    nb::list out;
+    for (const WorkBufferInfo& b : info) out.append(nb::make_tuple(b.node, b.memory_node, b.bytes, b.bound));
+    return out;
+  }, "The executor's MoE work buffers: (node (-1: shared input), OS memory node (-1: unbound), bytes, bound)");
   mod.def("split_range", &split_range, "n"_a, "granularity"_a, "parts"_a);
   mod.def("num_threads", [] { return global_pool().size(); });
   mod.def("thread_cpus", [] { return global_pool().cpus(); });

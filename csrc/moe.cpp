@@ -20,40 +20,44 @@ using I64 = int64_t;
 I64 round_up(I64 v, I64 m) { return (v + m - 1) / m * m; }
 I64 ceil_div(I64 a, I64 b) { return (a + b - 1) / b; }
 
-// Grows v to at least n elements (never shrinks: memory reused between calls costs no page faults).
+// Grows b to at least n elements on OS node `node` (-1: unbound), keeping nothing; never shrinks, so memory
+// reused between calls costs no page faults.
 template <class T>
-void grow(std::vector<T>& v, I64 n) {
-  if (static_cast<I64>(v.size()) < n) v.resize(static_cast<size_t>(n));
+T* grow(NodeBuffer<T>& b, I64 n, int node) {
+  return b.grow(static_cast<size_t>(n), node);
 }
 
-// Activation rows of one matrix format, owned; the storage is reused by later init calls.
+// Activation rows of one matrix format, owned; the storage (on one OS node, or unbound) is reused by later
+// init calls.
 struct ActBuffer {
   I64 rows = 0, k = 0;
-  std::vector<float> x;  // [rows, ldx], zero-padded
+  NodeBuffer<float> x;  // [rows, ldx], zero-padded
   I64 ldx = 0;
-  std::vector<int8_t> q;  // [rows, ldq]
+  NodeBuffer<int8_t> q;  // [rows, ldq]
   I64 ldq = 0, ldg = 0, group = 0;
-  std::vector<float> qscale, qsum;  // [rows, ldg]
+  NodeBuffer<float> qscale, qsum;  // [rows, ldg]
 
   // Sized for `rows` inputs of length k feeding matrices like `w` (float rows, or int8 rows per group). Only
   // each row's padding beyond k is zeroed: the caller writes [0, k) of every row it uses, and quantize()
   // writes whole groups.
-  void init(I64 n_rows, const Matrix& w) {
+  void init(I64 n_rows, const Matrix& w, int node = -1) {
     rows = n_rows;
     k = w.cols;
     ldx = round_up(k + 1, 16);  // + 1 keeps rows from aliasing cache sets when k is a power of two
-    grow(x, rows * ldx);
+    grow(x, rows * ldx, node);
     for (I64 r = 0; r < rows; ++r) std::fill(row(r) + k, row(r) + ldx, 0.0f);
     group = 0;
     if (is_int_format(w.fmt)) {
       group = w.group;
       ldq = w.padded_cols;
       ldg = w.padded_cols / w.group;
-      grow(q, rows * ldq);
-      grow(qscale, rows * ldg);
-      grow(qsum, rows * ldg);
+      grow(q, rows * ldq, node);
+      grow(qscale, rows * ldg, node);
+      grow(qsum, rows * ldg, node);
     }
   }
+  size_t bytes() const { return x.bytes() + q.bytes() + qscale.bytes() + qsum.bytes(); }
+  bool bound() const { return x.bound() && (!group || (q.bound() && qscale.bound() && qsum.bound())); }
   float* row(I64 r) { return x.data() + r * ldx; }
   void quantize(I64 r) {
     if (group) quantize_row(row(r), k, ldq, static_cast<int>(group), q.data() + r * ldq, qscale.data() + r * ldg,
@@ -85,7 +89,33 @@ I64 task_rows(I64 rows, I64 num_slots, int threads, bool gemm = false) {
   return blk;
 }
 
+// Buffers of one thread's MoE calls, reused (a T = 256 call of DeepSeek-V3 shapes needs ~80 MB; fresh pages
+// would cost a fault each on every call). Each node's intermediate activations and partial outputs live in
+// its own memory (when the layer's topology binds memory), since that node's threads write and read them.
+struct Workspace {
+  ActBuffer xin;                              // shared by the nodes
+  std::vector<ActBuffer> inter;               // per node
+  NodeBuffer<float> scratch;                  // per thread slices of gate/up outputs (cache-sized)
+  std::vector<NodeBuffer<float>> y;           // per node
+  int nodes = 0;                              // nodes of the last call
+};
+
+Workspace& workspace() {
+  static thread_local Workspace ws;
+  return ws;
+}
+
 }  // namespace
+
+std::vector<WorkBufferInfo> work_buffers() {
+  const Workspace& ws = workspace();
+  std::vector<WorkBufferInfo> info;
+  info.push_back({-1, ws.xin.x.node(), ws.xin.bytes(), ws.xin.bound()});
+  for (size_t n = 0; n < static_cast<size_t>(ws.nodes); ++n)
+    info.push_back({static_cast<int>(n), ws.inter[n].x.node(), ws.inter[n].bytes() + ws.y[n].bytes(),
+                    ws.inter[n].bound() && ws.y[n].bound()});
+  return info;
+}
 
 void quantize_row(const float* x, I64 k, I64 padded, int group, int8_t* q, float* scale, float* qsum) {
   for (I64 g = 0; g * group < padded; ++g) {
@@ -132,6 +162,19 @@ MoELayer::MoELayer(std::vector<ExpertMatrices> experts, I64 hidden, I64 intermed
       throw std::invalid_argument("expert " + std::to_string(e) + ": gate and up must share a group size");
   }
   shards_ = shard_experts(experts_, intermediate_, topology);
+  const int N = static_cast<int>(shards_.nodes.size());
+  memory_nodes_.assign(static_cast<size_t>(N), -1);
+  if (N > 1) memory_nodes_ = topology.memory_node;
+  owns_weights_ = N > 1;
+  for (const NodeShard& shard : shards_.nodes) owns_weights_ &= shard.experts.empty() || shard.copied_bytes > 0;
+  if (owns_weights_)  // only shapes and formats are read from here on: no pointer into the originals is kept
+    for (ExpertMatrices& e : experts_)
+      for (Matrix* m : {&e.gate, &e.up, &e.down}) {
+        m->data = nullptr;
+        m->scales = nullptr;
+        m->row_flags = nullptr;
+        m->subnormal_blocks = nullptr;
+      }
 }
 
 void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& pool) const {
@@ -174,15 +217,8 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   auto node_threads = [&](int n) { return N > 1 ? pool.node_threads(n) : threads; };
   auto active = [&](int n) { return nodes[n].begin < nodes[n].end; };
 
-  // Buffers of this thread's calls, reused (a T = 256 call of DeepSeek-V3 shapes needs ~80 MB; fresh pages
-  // would cost a fault each on every call).
-  struct Workspace {
-    ActBuffer xin;
-    std::vector<ActBuffer> inter;
-    std::vector<float> scratch;
-    std::vector<std::vector<float>> y;
-  };
-  static thread_local Workspace ws;
+  Workspace& ws = workspace();
+  ws.nodes = 0;  // set again once every node's buffers are sized
 
   // prepare: hidden -> activations for gate/up (shared by the nodes)
   const I64 first_expert = slots[0];
@@ -209,14 +245,13 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   for (int n = 0; n < N; ++n) {
     if (!active(n)) continue;
     const I64 rows = nodes[n].end - nodes[n].begin;
-    inter[n].init(T * K, nodes[n].experts[first_expert].down);
+    inter[n].init(T * K, nodes[n].experts[first_expert].down, memory_nodes_[n]);
     blk_i[n] = task_rows(rows, S, node_threads(n), gemm);
     blocks_i[n] = ceil_div(rows, blk_i[n]);
     max_blk = std::max(max_blk, blk_i[n]);
   }
   for (int n = 0; n < N; ++n) tasks[n] = S * blocks_i[n];
-  grow(ws.scratch, static_cast<I64>(threads) * 2 * max_tokens * max_blk);
-  float* scratch = ws.scratch.data();
+  float* scratch = grow(ws.scratch, static_cast<I64>(threads) * 2 * max_tokens * max_blk, -1);
   pool.parallel_for_nodes(tasks, [&](int n, I64 task, int thread) {
     const I64 bi = blk_i[n], rows = nodes[n].end - nodes[n].begin;
     const I64 s = task / blocks_i[n], r0 = (task % blocks_i[n]) * bi, r1 = std::min(rows, r0 + bi);
@@ -236,14 +271,15 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
 
   // down: per node (slot x block of H rows) -> y[n][pair row, h], the node's partial over its I columns
   if (static_cast<int>(ws.y.size()) < N) ws.y.resize(static_cast<size_t>(N));
-  std::vector<std::vector<float>>& y = ws.y;
+  std::vector<NodeBuffer<float>>& y = ws.y;
   std::vector<I64> blk_h(static_cast<size_t>(N), 1), blocks_h(static_cast<size_t>(N), 0);
   for (int n = 0; n < N; ++n) {
     if (!active(n)) continue;
-    grow(y[n], T * K * H);  // every element is written by the down phase
+    grow(y[n], T * K * H, memory_nodes_[n]);  // every element is written by the down phase
     blk_h[n] = task_rows(H, S, node_threads(n), gemm);
     blocks_h[n] = ceil_div(H, blk_h[n]);
   }
+  ws.nodes = N;
   for (int n = 0; n < N; ++n) tasks[n] = S * blocks_h[n];
   pool.parallel_for_nodes(tasks, [&](int n, I64 task, int) {
     const I64 s = task / blocks_h[n], r0 = (task % blocks_h[n]) * blk_h[n], r1 = std::min(H, r0 + blk_h[n]);

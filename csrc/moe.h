@@ -41,6 +41,9 @@ class MoELayer {
   int64_t hidden() const { return hidden_; }
   int64_t intermediate() const { return intermediate_; }
   const std::vector<NodeShard>& shards() const { return shards_.nodes; }
+  // Every shard is a copy in node memory: the weights the layer was built from are no longer read (their
+  // owners may free them). The layer keeps only their shapes and formats.
+  bool owns_weights() const { return owns_weights_; }
   // Runs on `pool` (the calling thread joins as thread 0), whose NUMA nodes must be the layer's (or the layer
   // has one node: then all threads share the work).
   void compute(const MoEInput& in, const KernelTable& kt, ThreadPool& pool) const;
@@ -49,8 +52,20 @@ class MoELayer {
   std::vector<ExpertMatrices> experts_;
   int64_t hidden_, intermediate_;
   ShardedExperts shards_;
+  std::vector<int> memory_nodes_;  // per shard node: the OS node its work buffers are bound to (-1: unbound)
+  bool owns_weights_ = false;
   WFormat fmt_;
 };
+
+// The calling thread's MoE work buffers (the executor's, when run as one of its jobs): the shared input
+// activations (node -1), then per NUMA node of the last call its intermediate activations and partial
+// outputs: the OS node they are bound to (-1: unbound), their bytes, whether the binding took.
+struct WorkBufferInfo {
+  int node, memory_node;
+  size_t bytes;
+  bool bound;
+};
+std::vector<WorkBufferInfo> work_buffers();
 
 // y [M, N] = x [M, K] (fp32, row stride ldx) @ W^T, on `pool`.
 void run_matmul(const Matrix& w, const float* x, int64_t m, int64_t ldx, float* y, MatmulPath path,

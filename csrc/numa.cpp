@@ -145,6 +145,23 @@ NumaTopology default_numa_topology() {
   return t;
 }
 
+void validate_numa_topology(const NumaTopology& topology, const std::vector<int>& allowed) {
+  if (topology.num_nodes() < 1) throw std::invalid_argument("NUMA topology needs at least one node");
+  if (topology.memory_node.size() != topology.node_cpus.size())
+    throw std::invalid_argument("NUMA topology: one memory node per node needed");
+  const std::set<int> usable(allowed.begin(), allowed.end());
+  for (int n = 0; n < topology.num_nodes(); ++n) {
+    const std::string where = "NUMA node " + std::to_string(n);
+    if (topology.node_cpus[n].empty()) throw std::invalid_argument(where + " has no CPUs");
+    for (int cpu : topology.node_cpus[n]) {
+      if (cpu < 0 || cpu >= 1024) throw std::invalid_argument(where + ": CPU " + std::to_string(cpu) + " is not a valid CPU");
+      if (!usable.empty() && !usable.count(cpu))
+        throw std::invalid_argument(where + ": CPU " + std::to_string(cpu) + " is not available to this process (it may use " +
+                                    format_cpulist(allowed) + ")");
+    }
+  }
+}
+
 NodeMemory::NodeMemory(size_t bytes, int node) : size_(bytes) {
   if (bytes == 0) return;
 #if defined(__linux__)

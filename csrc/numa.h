@@ -7,7 +7,9 @@
 #pragma once
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -50,5 +52,33 @@ class NodeMemory {
   size_t size_ = 0, mapped_ = 0;
   bool bound_ = false;
 };
+
+// A growable scratch array of T in memory bound to OS node `node` (< 0: unbound). grow() never shrinks and does
+// not keep the contents; asking for another node reallocates. Pages are placed on the node whoever touches
+// them first, so buffers a node's threads write live on that node even when another thread sized them.
+template <class T>
+class NodeBuffer {
+ public:
+  T* grow(size_t count, int node) {
+    if (!memory_ || memory_->size() < count * sizeof(T) || node != node_) {
+      memory_.reset();  // free before allocating the replacement
+      memory_ = std::make_unique<NodeMemory>(std::max<size_t>(count, 1) * sizeof(T), node);
+      node_ = node;
+    }
+    return data();
+  }
+  T* data() const { return memory_ ? reinterpret_cast<T*>(memory_->data()) : nullptr; }
+  size_t bytes() const { return memory_ ? memory_->size() : 0; }
+  int node() const { return node_; }
+  bool bound() const { return memory_ && memory_->bound(); }
+
+ private:
+  std::unique_ptr<NodeMemory> memory_;
+  int node_ = -1;
+};
+
+// Throws std::invalid_argument naming the problem: no node, a node without CPUs, a CPU outside [0, 1024) or
+// not available to this process (`allowed`, empty: not checked), memory_node not one per node.
+void validate_numa_topology(const NumaTopology& topology, const std::vector<int>& allowed);
 
 }  // namespace hm

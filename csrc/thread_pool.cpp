@@ -72,6 +72,15 @@ int available_cpus() {
   return n ? static_cast<int>(n) : 1;
 }
 
+std::vector<int> initial_cpus() {
+  std::vector<int> cpus;
+#if defined(__linux__)
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &g_initial_affinity)) cpus.push_back(c);
+#endif
+  return cpus;
+}
+
 ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus, std::vector<int> thread_nodes)
     : num_threads_(num_threads), cpus_(std::move(cpus)), thread_nodes_(std::move(thread_nodes)) {
   if (num_threads < 1) throw std::invalid_argument("thread pool: num_threads must be >= 1");
@@ -331,8 +340,10 @@ int env_threads() {
 std::unique_ptr<ThreadPool> make_pool(const NumaTopology& topology, int num_threads, std::vector<int> cpus) {
   const int N = topology.num_nodes();
   if (N == 1) {
+    // a node given by an override pins its threads to its CPUs; a detected one leaves them free
+    if (cpus.empty() && topology.emulated) cpus = topology.node_cpus[0];
     if (num_threads == 0) num_threads = env_threads();
-    if (num_threads == 0) num_threads = available_cpus();
+    if (num_threads == 0) num_threads = topology.emulated ? static_cast<int>(cpus.size()) : available_cpus();
     return std::make_unique<ThreadPool>(num_threads, std::move(cpus));
   }
   if (!cpus.empty())
@@ -363,7 +374,11 @@ std::unique_ptr<ThreadPool> make_pool(const NumaTopology& topology, int num_thre
 }
 
 const NumaTopology& numa_locked() {
-  if (!g_numa) g_numa = std::make_unique<NumaTopology>(default_numa_topology());
+  if (!g_numa) {
+    NumaTopology topology = default_numa_topology();
+    if (topology.emulated) validate_numa_topology(topology, initial_cpus());  // HYBRIDMOE_NUMA_NODES
+    g_numa = std::make_unique<NumaTopology>(std::move(topology));
+  }
   return *g_numa;
 }
 
@@ -394,15 +409,7 @@ void configure_threads(int num_threads, const std::vector<int>& cpus) {
 }
 
 void configure_numa(const NumaTopology& topology, int num_threads) {
-  if (topology.num_nodes() < 1) throw std::invalid_argument("NUMA topology needs at least one node");
-  if (topology.memory_node.size() != topology.node_cpus.size())
-    throw std::invalid_argument("NUMA topology: one memory node per node needed");
-  for (int n = 0; n < topology.num_nodes(); ++n) {
-    if (topology.node_cpus[n].empty()) throw std::invalid_argument("NUMA node " + std::to_string(n) + " has no CPUs");
-    for (int cpu : topology.node_cpus[n])
-      if (cpu < 0 || cpu >= 1024)
-        throw std::invalid_argument("NUMA node " + std::to_string(n) + ": CPU " + std::to_string(cpu) + " is not a valid CPU");
-  }
+  validate_numa_topology(topology, initial_cpus());
   if (num_threads < 0) throw std::invalid_argument("num_threads must be >= 0, got " + std::to_string(num_threads));
   global_executor().drain();
   std::lock_guard<std::mutex> lock(g_pool_mu);

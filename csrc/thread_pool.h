@@ -120,6 +120,8 @@ void configure_threads(int num_threads, const std::vector<int>& cpus);
 void configure_numa(const NumaTopology& topology, int num_threads);
 NumaTopology global_numa_topology();
 int available_cpus();
+// The CPUs this process could run on when the library was loaded (before any thread was pinned).
+std::vector<int> initial_cpus();
 
 // Clears the flush-to-zero / denormals-are-zero modes on this thread (FP8 subnormals decode through
 // float32 denormals).

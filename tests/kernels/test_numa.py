@@ -6,14 +6,16 @@ errors, and `hybridmoe info`."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
 
-from hybridmoe.kernels import isa, numa, reference
+from hybridmoe.kernels import _native, isa, numa, reference
 from hybridmoe.kernels.moe import FusedMoE
 from kernel_testing import random_experts, random_routing, seed
 
@@ -94,6 +96,32 @@ def test_shard_copies_hold_every_weight_once(fmt, group, granularity):
             out = split(*batch)
             assert _error(out, single_out) < 1e-5
             assert _error(out, reference.moe_reference(*batch, exact)) < _reference_tolerance(fmt)
+        # each node's intermediate activations and partial outputs live in its memory (node 0 here)
+        buffers = _native.work_buffers()
+        assert [b[:2] for b in buffers] == [(-1, -1), (0, 0), (1, 0)] and all(b[3] for b in buffers[1:])
+
+
+def test_copied_layer_lets_the_original_weights_go():
+    gen = torch.Generator().manual_seed(5)
+    kwargs, exact = random_experts("fp8", E, H, I, gen)
+    batch = (torch.randn(5, H, generator=gen),) + random_routing(5, K, E, gen)
+    expected = reference.moe_reference(*batch, exact)
+    names = [name for name in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale") if name in kwargs]
+    with numa.use_numa(_emulated_nodes(2), copy_shards=True):
+        owned = {name: [t.clone() for t in kwargs[name]] for name in names}
+        refs = [weakref.ref(t) for name in names for t in owned[name]]
+        layer = FusedMoE(**{**kwargs, **owned})
+        assert layer.owns_weights
+        del owned
+        gc.collect()
+        assert all(r() is None for r in refs), "the layer still holds the weights it copied"
+        assert _error(layer(*batch), expected) < _reference_tolerance("fp8")
+        with numa.use_numa(_emulated_nodes(2)):  # views: the layer must keep the weights alive
+            views = FusedMoE(**kwargs)
+            assert not views.owns_weights and views._tensors is not None
+            views(*batch)
+            assert [b[:2] for b in _native.work_buffers()] == [(-1, -1), (0, -1), (1, -1)]  # unbound
+    assert not FusedMoE(**kwargs).owns_weights  # one node: views
 
 
 def test_fewer_units_than_nodes_bf16_hidden_and_a_single_node_layer_on_a_split_pool():
@@ -131,6 +159,8 @@ def test_thread_layout_and_errors():
             numa.configure_numa([[0], [1]], memory_nodes=[0])
         with pytest.raises(ValueError, match="NUMA node 1: CPU -1 is not a valid CPU"):
             numa.configure_numa([[0], [-1]])
+        with pytest.raises(ValueError, match="NUMA node 1: CPU 1000 is not available to this process"):
+            numa.configure_numa([[0], [1000]])
     assert numa.topology() == numa.detected_topology()
     assert set(numa.thread_nodes()) == {0} or len(numa.topology()["nodes"]) > 1
 
@@ -139,6 +169,21 @@ def test_split_range_is_even_on_whole_units():
     assert numa.split_range(300, 128, 2) == [(0, 128), (128, 300)]
     assert numa.split_range(300, 32, 3) == [(0, 96), (96, 192), (192, 300)]
     assert numa.split_range(72, 128, 2) == [(0, 0), (0, 72)]
+
+
+def test_a_single_overridden_node_pins_its_threads_to_its_cpus():
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    with numa.use_numa([[cpu]]):
+        assert isa.num_threads() == 1 and isa.thread_cpus() == [cpu]
+    assert isa.thread_cpus() == [] or len(numa.topology()["nodes"]) > 1  # detected one node: threads run free
+
+
+def test_bad_numa_nodes_in_the_environment_are_a_clear_error():
+    env = dict(os.environ, HYBRIDMOE_NUMA_NODES="0;1000")
+    result = subprocess.run([sys.executable, "-c", "from hybridmoe.kernels import numa; numa.topology()"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode != 0
+    assert "NUMA node 1: CPU 1000 is not available to this process" in result.stderr
 
 
 def test_info_prints_the_numa_layout_from_the_environment():

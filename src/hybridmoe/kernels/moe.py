@@ -55,8 +55,16 @@ class FusedMoE:
                 matrices[name].append(kernel_matrix(fmt, t, s[e] if s is not None else None, cols=cols,
                                                     block=block, name=f"expert {e} {name}"))
         self._native = _native.MoE(matrices["gate"], matrices["up"], matrices["down"], H, I)
-        self._tensors = (gate, up, down, gate_scale, up_scale, down_scale)  # keep the memory alive
-        self.nbytes = sum(t.numel() * t.element_size() for group in self._tensors if group for t in group)
+        tensors = (gate, up, down, gate_scale, up_scale, down_scale)
+        self.nbytes = sum(t.numel() * t.element_size() for group in tensors if group for t in group)
+        # Views of the caller's tensors keep their memory alive; copies in node memory need nothing from them.
+        self._tensors = None if self.owns_weights else tensors
+
+    @property
+    def owns_weights(self) -> bool:
+        """Every NUMA node computes from its own copy of its shard (several real nodes): the tensors this layer
+        was built from are not referenced, and are freed once the caller drops them."""
+        return self._native.owns_weights
 
     @property
     def num_experts(self) -> int:

@@ -3,8 +3,9 @@
 With N nodes every MoE layer built afterwards splits each expert's intermediate dimension I into N ranges (on
 whole fp8 scale blocks / int groups / 32 dense columns): node n's threads compute gate/up rows and the down
 columns of its range only, and the N partial [T, H] outputs are summed. No weight is duplicated: on a machine
-with several real nodes each shard is copied once at load into memory bound to its node (and the original can
-be dropped by the caller); with one node, or emulated nodes, shards are views of the weights.
+with several real nodes each shard is copied once at load into memory bound to its node, and the layer lets go
+of the original tensors (FusedMoE.owns_weights); with one node, or emulated nodes, shards are views of the weights.
+Each node's work buffers (intermediate activations, partial outputs) are bound to its memory too.
 
 The topology is detected from /sys/devices/system/node; HYBRIDMOE_NUMA_NODES="0-3;4-7" (one cpulist per node)
 or `configure_numa` overrides it (tests emulate several nodes on one this way).
