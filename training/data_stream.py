@@ -5,6 +5,8 @@ a checkpoint skips the batches it has already seen and continues exactly. A batc
 (input_ids [B, T+1] int64, loss_weights [B, T] float32): the model reads input_ids[:, :-1] and predicts
 input_ids[:, 1:], each target weighted by loss_weights (passkey answer digits weigh more). From
 phase2_start_step on, passkey steps come more often and hold batches of right-padded examples.
+`MixedBatches` is the stream of the mixed_copy variant (recipe.VARIANTS, not shipped): copy, text and
+passkey rows side by side in every batch.
 """
 
 from __future__ import annotations
@@ -134,3 +136,83 @@ class TrainingBatches:
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+class MixedBatches(TrainingBatches):
+    """The mixed curriculum: every step is one batch of rows of one width, each row a copy row, a text row or
+    a passkey example (kinds drawn per row), so copy practice never runs without text beside it.
+
+    - copy row: BOS, then a random pattern (mixed_copy_pattern_tokens long, tokens drawn from the most frequent
+      training tokens and the ten digits) repeated to fill the row; loss only on the repeats;
+    - text row: packed documents, as in text_batch;
+    - passkey row: one example of about the row's width, right-padded, the answer digits carrying half of
+      its loss.
+    Until mixed_short_steps every row is mixed_short_width wide (many cheap rows: induction forms on short
+    sequences); after that each step's width is log-uniform in [mixed_short_width, passkey_max_tokens] and the
+    row count keeps about mixed_tokens_per_step tokens per step. Yields (input_ids, weights, kinds) with kinds
+    one of "copy", "text", "passkey" per row.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, documents: dict[str, list[list[int]]], seed: int):
+        super().__init__(tokenizer, documents, seed)
+        from collections import Counter
+
+        special = {tokenizer.token_to_id(t) for t in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)}
+        counts = Counter(t for docs in documents.values() for doc in docs for t in doc)
+        frequent = [t for t, _ in counts.most_common() if t not in special]
+        self.copy_vocabulary = frequent[: TRAIN["mixed_copy_vocabulary"]]
+        self.digits = [tokenizer.token_to_id(str(d)) for d in range(10)]
+
+    def __iter__(self):
+        step = 0
+        while True:
+            yield self.mixed_batch(step)
+            step += 1
+
+    def mixed_batch(self, step: int):
+        short = step < TRAIN["mixed_short_steps"]
+        low, high = TRAIN["mixed_short_width"], TRAIN["passkey_max_tokens"]
+        width = low if short else round(math.exp(self.rng.uniform(math.log(low), math.log(high))))
+        rows = max(2, round(TRAIN["mixed_tokens_per_step"] / width))
+        shares = TRAIN["mixed_row_shares_short" if short else "mixed_row_shares_long"]
+        kinds = self.rng.choices(list(shares), list(shares.values()), k=rows)
+        kinds.sort(key=["copy", "text", "passkey"].index)
+        made = []
+        for kind in kinds:
+            if kind == "copy":
+                made.append(self._copy_row(width))
+            elif kind == "text":
+                made.append(self._text_row(width))
+            else:
+                made.append(self._passkey_row(width))
+        full = max(len(ids) for ids, _ in made)
+        input_ids = torch.full((rows, full), self.pad, dtype=torch.int64)  # [B, T+1]
+        weights = torch.zeros(rows, full - 1)  # [B, T]
+        for row, (ids, w) in enumerate(made):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            weights[row, : len(w)] = torch.tensor(w)
+        return input_ids, weights, kinds
+
+    def _copy_row(self, width: int) -> tuple[list[int], list[float]]:
+        low, high = TRAIN["mixed_copy_pattern_tokens"]
+        length = self.rng.randint(low, min(high, max(low, width // 2)))
+        digit_share = TRAIN["mixed_copy_digit_share"]
+        pattern = [self.rng.choice(self.digits) if self.rng.random() < digit_share
+                   else self.rng.choice(self.copy_vocabulary) for _ in range(length)]
+        body = (pattern * (width // length + 1))[:width]
+        ids = [self.bos, *body]
+        return ids, [0.0] * length + [1.0] * (width - length)  # weights[t] belongs to ids[t + 1]
+
+    def _text_row(self, width: int) -> tuple[list[int], list[float]]:
+        while len(self.buffer) < width + 1:
+            self.buffer.extend(self._next_document())
+        ids = self.buffer[: width + 1]
+        del self.buffer[: width + 1]
+        return ids, [1.0] * width
+
+    def _passkey_row(self, width: int) -> tuple[list[int], list[float]]:
+        ids, digits = self._passkey_example(max(TRAIN["passkey_min_tokens"], width - 8))
+        weights = [1.0] * (len(ids) - 1)
+        for index in digits:
+            weights[index] = (len(ids) - 1 - len(digits)) / len(digits)
+        return ids, weights

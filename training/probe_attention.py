@@ -11,7 +11,7 @@ script measures, for the shipped model or a training checkpoint:
     logits on held-out text: the content part (q_nope . k_nope, read through the 128-wide kv latent) and the
     position part (q_rope . k_rope, the 32-wide RoPE key shared by all heads). A content part far smaller than
     the position part means attention follows position, not content, and cannot find a match far back.
-Run: .venv/bin/python training/probe_attention.py [--checkpoint training/runs/demo/checkpoint.pt]
+Run: .venv/bin/python training/probe_attention.py [--checkpoint training/runs/demo/checkpoint.pt [--variant NAME]]
 (without --checkpoint it probes src/hybridmoe/assets/demo_model).
 """
 
@@ -101,7 +101,11 @@ def logit_parts(model, ids: torch.Tensor) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, default=None)
+    parser.add_argument("--variant", default=None, help="the recipe variant the checkpoint was trained with")
     args = parser.parse_args()
+    if args.variant:
+        import recipe
+        recipe.apply_variant(args.variant)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     tokenizer = data_stream.load_tokenizer()

@@ -69,6 +69,7 @@ MODEL_CONFIG = dict(
 
 # ---- training ----
 TRAIN = dict(
+    stream="phased",  # data_stream.TrainingBatches (text steps, passkey steps, phase 2); "mixed": MixedBatches
     steps=1200,  # about an hour of one shared CPU core (the machine was loaded 3-5x by other work)
     text_rows=4,  # rows per text step
     text_seq_len=512,  # tokens per text row
@@ -95,6 +96,40 @@ TRAIN = dict(
     checkpoint_every=100,
     num_threads=1,
 )
+
+# ---- variants tried and not shipped (MODEL_CARD.md, "A third round") ----
+# `train.py --variant NAME` applies a variant's model and train entries on top of MODEL_CONFIG and TRAIN
+# (run directory training/runs/NAME/, export to training/runs/NAME/export/ unless --export is given).
+VARIANTS = {
+    # Copy rows from step 0, beside text rows and short passkey examples in every batch; a larger content
+    # part of the attention logits. The mixed stream: every step is one batch of rows of one width, each row
+    # a copy row (BOS, a random pattern repeated to fill the row, loss on the repeats), a text row or a
+    # passkey example (answer digits half of its loss). Until mixed_short_steps all rows are
+    # mixed_short_width wide; then each step's width is log-uniform in [mixed_short_width,
+    # passkey_max_tokens] and rows * width is about mixed_tokens_per_step (at least 2 rows).
+    "mixed_copy": dict(
+        model=dict(qk_nope_head_dim=64),  # q_b_proj 384 rows, kv_b_proj 512 rows
+        train=dict(
+            stream="mixed",
+            steps=2000,
+            mixed_tokens_per_step=2048,
+            mixed_short_steps=1200,
+            mixed_short_width=128,
+            mixed_row_shares_short={"copy": 0.4, "text": 0.4, "passkey": 0.2},
+            mixed_row_shares_long={"copy": 0.1, "text": 0.45, "passkey": 0.45},
+            mixed_copy_pattern_tokens=(6, 40),  # pattern length range (capped at half the row)
+            mixed_copy_vocabulary=1000,  # pattern tokens: the most frequent training tokens ...
+            mixed_copy_digit_share=0.2,  # ... or, this often, one of the ten digits
+        ),
+    ),
+}
+
+
+def apply_variant(name: str) -> None:
+    """Update MODEL_CONFIG and TRAIN in place (every module that imported them sees the variant)."""
+    MODEL_CONFIG.update(VARIANTS[name]["model"])
+    TRAIN.update(VARIANTS[name]["train"])
+
 
 # Share of text-step tokens drawn from each source (the rest of the steps are passkey examples).
 TEXT_MIX = {"fortunes": 0.45, "python_docs": 0.30, "chat": 0.25}

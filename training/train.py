@@ -119,8 +119,20 @@ def main() -> None:
     parser.add_argument("--run", default="demo", help="run name: checkpoints go to training/runs/<run>/")
     parser.add_argument("--steps", type=int, default=TRAIN["steps"])
     parser.add_argument("--resume", action="store_true", help="continue from training/runs/<run>/checkpoint.pt")
-    parser.add_argument("--export", type=Path, default=recipe.DEMO_MODEL_DIR, help="where the final model goes")
+    parser.add_argument("--export", type=Path, default=None,
+                        help="where the final model goes (default: the shipped demo_model directory; for a "
+                             "variant, training/runs/<variant>/export/demo_model)")
+    parser.add_argument("--variant", choices=sorted(recipe.VARIANTS), default=None,
+                        help="train a recipe variant (recipe.VARIANTS) instead of the shipped recipe")
     args = parser.parse_args()
+    if args.variant:
+        recipe.apply_variant(args.variant)
+        if args.run == "demo":
+            args.run = args.variant
+        if args.steps == parser.get_default("steps"):
+            args.steps = TRAIN["steps"]
+    if args.export is None:
+        args.export = RUNS_DIR / args.run / "export" / "demo_model" if args.variant else recipe.DEMO_MODEL_DIR
 
     torch.set_num_threads(TRAIN["num_threads"])
     random.seed(SEED)
@@ -131,7 +143,8 @@ def main() -> None:
     (run_dir / "recipe.json").write_text(json.dumps(record, indent=2, default=str))
 
     tokenizer = data_stream.load_tokenizer()
-    batches = iter(data_stream.TrainingBatches(tokenizer, data_stream.tokenize_split(tokenizer, "train"), SEED))
+    stream = data_stream.MixedBatches if TRAIN["stream"] == "mixed" else data_stream.TrainingBatches
+    batches = iter(stream(tokenizer, data_stream.tokenize_split(tokenizer, "train"), SEED))
     model = build_model(tokenizer).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -156,9 +169,11 @@ def main() -> None:
 
     model.train()
     started = time.time()
-    window = {"text": [], "passkey": [], "answer": []}
+    window = {"text": [], "copy": [], "passkey": [], "answer": []}
     for step in range(start_step, args.steps):
-        input_ids, weights = (t.to(device) for t in next(batches))
+        batch = next(batches)
+        kinds = batch[2] if len(batch) == 3 else None  # the mixed stream names each row's kind
+        input_ids, weights = (t.to(device) for t in batch[:2])
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args.steps)
         loss, token_loss = weighted_loss(model, input_ids, weights)
@@ -168,7 +183,16 @@ def main() -> None:
         optimizer.step()
         imbalance = balancer.update()
         tokens_seen += int((weights > 0).sum())
-        if (weights > 1).any():  # passkey examples
+        if kinds is not None:
+            for kind in ("text", "copy", "passkey"):
+                rows = torch.tensor([k == kind for k in kinds], device=device)
+                if rows.any():
+                    picked = weights[rows] > 0
+                    window[kind].append(token_loss[rows][picked].mean().item())
+            answer = weights > 1  # passkey answer digits
+            if answer.any():
+                window["answer"].append(token_loss[answer].mean().item())
+        elif (weights > 1).any():  # passkey examples
             window["passkey"].append(token_loss[weights > 0].mean().item())
             window["answer"].append(token_loss[weights > 1].mean().item())
         else:
@@ -176,7 +200,7 @@ def main() -> None:
         if (step + 1) % 10 == 0:
             elapsed = time.time() - started
             mean = {k: sum(v) / len(v) if v else float("nan") for k, v in window.items()}
-            print(f"step {step + 1:5d}  text {mean['text']:.3f}  passkey {mean['passkey']:.3f}  "
+            print(f"step {step + 1:5d}  text {mean['text']:.3f}  copy {mean['copy']:.3f}  passkey {mean['passkey']:.3f}  "
                   f"answer {mean['answer']:.3f}  lr {learning_rate(step, args.steps):.2e}  "
                   f"load max/mean {imbalance:.2f}  tokens {tokens_seen:,}  {elapsed:.0f}s", flush=True)
             window = {k: [] for k in window}
