@@ -6,8 +6,8 @@
 // it, which lets tests emulate several nodes on one (emulated nodes bind no memory unless told to).
 #pragma once
 
-#include <cstddef>
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
