@@ -67,7 +67,33 @@ inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I6
       __m256i acci[R][MT], acc16[R][MT];
       for (int i = 0; i < R; ++i)
         for (int j = 0; j < MT; ++j) acci[i][j] = acc16[i][j] = _mm256_setzero_si256();
-      for (int c = 0; c < kChunks; ++c) {
+      constexpr bool kWideInt4 = F == WFormat::INT4 && kChunks % 2 == 0;
+      if constexpr (kWideInt4)  // two chunks (64 elements) a step: one 32-byte load a row, no cross-lane unpack
+        for (int c = 0; c < kChunks; c += 2) {
+          const I64 e = e0 + c * 32;
+          if (next) prefetch_bytes<R * 2 * kChunkBytes>(next + e / 32 * R * kChunkBytes);
+          __m256i lo[R], hi[R];  // lo: elements 0-15 of both chunks (lanes 0, 1), hi: their elements 16-31
+          for (int i = 0; i < R; ++i) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rowp[i] + e / 2));
+            lo[i] = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+            hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+          }
+          for (int j = 0; j < MT; ++j) {  // the activations in the same order (shared by the R rows)
+            const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + e));
+            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + e + 32));
+            const __m256i xlo = _mm256_permute2x128_si256(a, b, 0x20), xhi = _mm256_permute2x128_si256(a, b, 0x31);
+            for (int i = 0; i < R; ++i) {
+              if constexpr (kPairs16) {
+                acc16[i][j] = V::pairs_u4(acc16[i][j], lo[i], xlo);
+                acc16[i][j] = V::pairs_u4(acc16[i][j], hi[i], xhi);
+              } else {
+                acci[i][j] = V::dot_u4(acci[i][j], lo[i], xlo);
+                acci[i][j] = V::dot_u4(acci[i][j], hi[i], xhi);
+              }
+            }
+          }
+        }
+      for (int c = 0; c < (kWideInt4 ? 0 : kChunks); ++c) {
         const I64 e = e0 + c * 32;
         if (next) prefetch_bytes<R * kChunkBytes>(next + e / 32 * R * kChunkBytes);
         __m256i wv[R];
