@@ -143,6 +143,9 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
       const I64 valid = imin(4, r1 - r), row0 = r - r0;
       const I64 row_read = F == WFormat::INT4 ? w.padded_cols / 2 : w.padded_cols;
       const uint8_t* next = gemm ? nullptr : next_tile_rows(w, r, r1, 4, row_read);
+      if (next)  // the next tile's group scales too: a stream of their own, which prefetchers pick up late
+        for (I64 off = 0; off < 4 * w.scale_stride * 2; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(scales + (r + 4) * w.scale_stride) + off, _MM_HINT_T0);
       I64 m = 0;
       for (; m + 4 <= M; m += 4) {
         const int8_t* xq[4];
