@@ -114,23 +114,32 @@ inline void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_rows, bool 
     }
 }
 
+// Tokens in the next token tile of a 4-row GEMV tile when `left` remain: 3 (12 FMA chains; each weight vector
+// is decoded once per token tile, so wider tiles decode less), 2 where that leaves no single token behind.
+inline int gemv_token_tile(I64 left) { return left == 4 || left == 2 ? 2 : (left >= 3 ? 3 : 1); }
+
 // All token tiles of one 4-row tile over whole rows: y rows [row0, row0 + valid) = W4 . x[m].
 // next: the following tile's rows, prefetched while the first token tile reads this one (may be nullptr).
 template <class V, WFormat F>
 inline void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const float* const* xrows, I64 M, float* y,
                                 I64 ldy, I64 row0, I64 valid, const uint8_t* next) {
-  I64 m = 0;
-  for (; m + 2 <= M; m += 2) {  // 4 rows x 2 tokens: each x vector feeds 4 FMAs (x streams from L2)
-    const float* xr[2] = {xrows[m], xrows[m + 1]};
-    float o[4][2];
-    fp_tile<V, F, 4, 2>(rowp, n, xr, o, m == 0 ? next : nullptr);
-    store_tile<4, 2>(y, ldy, m, row0, valid, true, o);
-  }
-  if (m < M) {
-    const float* xr[1] = {xrows[m]};
-    float o[4][1];
-    fp_tile<V, F, 4, 1>(rowp, n, xr, o, m == 0 ? next : nullptr);
-    store_tile<4, 1>(y, ldy, m, row0, valid, true, o);
+  for (I64 m = 0; m < M;) {
+    const int mt = gemv_token_tile(M - m);
+    const uint8_t* pf = m == 0 ? next : nullptr;
+    if (mt == 3) {
+      float o[4][3];
+      fp_tile<V, F, 4, 3>(rowp, n, xrows + m, o, pf);
+      store_tile<4, 3>(y, ldy, m, row0, valid, true, o);
+    } else if (mt == 2) {
+      float o[4][2];
+      fp_tile<V, F, 4, 2>(rowp, n, xrows + m, o, pf);
+      store_tile<4, 2>(y, ldy, m, row0, valid, true, o);
+    } else {
+      float o[4][1];
+      fp_tile<V, F, 4, 1>(rowp, n, xrows + m, o, pf);
+      store_tile<4, 1>(y, ldy, m, row0, valid, true, o);
+    }
+    m += mt;
   }
 }
 
@@ -139,20 +148,24 @@ template <class V>
 inline void fp8_row_tile_all_tokens(const Matrix& w, const uint8_t* const* rowp, const I64* rows,
                                     const float* const* xfast, const float* const* xexact, I64 M, float* y, I64 ldy,
                                     I64 row0, I64 valid, const uint8_t* next) {
-  I64 m = 0;
-  for (; m + 2 <= M; m += 2) {
-    const float* xf[2] = {xfast ? xfast[m] : nullptr, xfast ? xfast[m + 1] : nullptr};
-    const float* xe[2] = {xexact[m], xexact[m + 1]};
-    float o[4][2];
-    fp8_tile<V, 4, 2>(w, rowp, rows, xfast ? xf : nullptr, xe, o, m == 0 ? next : nullptr);
-    store_tile<4, 2>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
-  }
-  if (m < M) {
-    const float* xf[1] = {xfast ? xfast[m] : nullptr};
-    const float* xe[1] = {xexact[m]};
-    float o[4][1];
-    fp8_tile<V, 4, 1>(w, rowp, rows, xfast ? xf : nullptr, xe, o, m == 0 ? next : nullptr);
-    store_tile<4, 1>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
+  for (I64 m = 0; m < M;) {
+    const int mt = gemv_token_tile(M - m);
+    const float* const* xf = xfast ? xfast + m : nullptr;
+    const uint8_t* pf = m == 0 ? next : nullptr;
+    if (mt == 3) {
+      float o[4][3];
+      fp8_tile<V, 4, 3>(w, rowp, rows, xf, xexact + m, o, pf);
+      store_tile<4, 3>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
+    } else if (mt == 2) {
+      float o[4][2];
+      fp8_tile<V, 4, 2>(w, rowp, rows, xf, xexact + m, o, pf);
+      store_tile<4, 2>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
+    } else {
+      float o[4][1];
+      fp8_tile<V, 4, 1>(w, rowp, rows, xf, xexact + m, o, pf);
+      store_tile<4, 1>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
+    }
+    m += mt;
   }
 }
 

@@ -12,7 +12,9 @@ from hybridmoe.kernels.weights import kernel_matrix
 from kernel_testing import random_fp8, seed
 
 SHAPES = [(1, 1), (5, 7), (37, 100), (64, 256), (131, 300)]  # (N rows, K cols)
-TOKENS = [1, 2, 3, 5, 9, 17, 24, 40, 57]  # GEMM token blocks of 3 vectors (24 AVX2, 48 AVX-512): 1-3 vectors, then more blocks
+# GEMV token tiles of 3, 2 and 1 (3+2, 3+3, 3+2+2); GEMM token blocks of 3 vectors (24 AVX2, 48 AVX-512): 1-3
+# vectors, then more blocks
+TOKENS = [1, 2, 3, 5, 6, 7, 9, 17, 24, 40, 57]
 
 
 def _check(out: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, rtol: float = 3e-6) -> None:
