@@ -432,7 +432,6 @@ NB_MODULE(_native, mod) {
   mod.def("num_threads", [] { return global_pool().size(); });
   mod.def("thread_cpus", [] { return global_pool().cpus(); });
   mod.def("available_cpus", &available_cpus);
-  mod.def("gemm_min_tokens", [] { return kGemmMinTokens; });
   mod.def("measure_read_bandwidth", [](nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> buf,
                                        int repeats) {
     double bw = 0;

@@ -69,12 +69,18 @@ static inline const float* qsum_row(const Activations& a, int64_t m) { return a.
 
 enum class MatmulPath : int { Auto = 0, Gemv = 1, Gemm = 2 };
 
-// Tokens per expert from which the tiled GEMM path (K blocked for the caches) replaces the GEMV path.
+// Tokens per expert from which the tiled GEMM path (K blocked for the caches) replaces the GEMV path: 13 for
+// fp8, whose GEMV decodes in 3 operations with the block scales folded into the activations and measured as
+// fast as the GEMM panels up to 12-16 tokens; 8 for the other formats.
 constexpr int64_t kGemmMinTokens = 8;
+constexpr int64_t kGemmMinTokensFp8 = 13;
+constexpr int64_t kMaxGemvTokens = kGemmMinTokensFp8 - 1;  // the most tokens the GEMV path takes
 
-// Whether `tokens` tokens of one expert take the GEMM path.
-static inline bool use_gemm(MatmulPath path, int64_t tokens) {
-  return path == MatmulPath::Gemm || (path == MatmulPath::Auto && tokens >= kGemmMinTokens);
+static inline int64_t gemm_min_tokens(WFormat f) { return f == WFormat::FP8 ? kGemmMinTokensFp8 : kGemmMinTokens; }
+
+// Whether `tokens` tokens of one expert take the GEMM path for weights in format f.
+static inline bool use_gemm(MatmulPath path, int64_t tokens, WFormat f) {
+  return path == MatmulPath::Gemm || (path == MatmulPath::Auto && tokens >= gemm_min_tokens(f));
 }
 
 // The kernels one ISA provides. All pointers are non-null in a table that exists.

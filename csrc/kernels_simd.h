@@ -26,7 +26,7 @@ namespace {
 
 template <class V>
 void matmul(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, MatmulPath path) {
-  const bool gemm = use_gemm(path, x.m);
+  const bool gemm = use_gemm(path, x.m, w.fmt);
   const bool bf16_scales = w.scale_type == ScaleType::BF16;
   switch (w.fmt) {
     case WFormat::F32: return matmul_fp<V, WFormat::F32>(w, r0, r1, x, y, ldy, gemm);

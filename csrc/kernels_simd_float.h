@@ -205,7 +205,6 @@ inline I64 segment_end(const Matrix& w, I64 r, I64 re) {
   return w.fmt == WFormat::FP8 ? imin(re, (r / w.block_rows + 1) * w.block_rows) : re;
 }
 
-constexpr I64 kMaxTokensGemv = kGemmMinTokens;  // token pointers the GEMV path keeps on the stack
 
 // GEMV path: whole rows, tiles of 4 rows. fp8 block scales are folded into a copy of the few tokens'
 // activations per row block, so the inner loop is decode + FMA; column blocks without subnormal codes use the
@@ -214,8 +213,8 @@ constexpr I64 kMaxTokensGemv = kGemmMinTokens;  // token pointers the GEMV path 
 template <class V, WFormat F>
 void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
   const I64 K = w.cols, M = x.m;
-  const float* xrows[kMaxTokensGemv];
-  const float* exact_rows[kMaxTokensGemv] = {};
+  const float* xrows[kMaxGemvTokens];
+  const float* exact_rows[kMaxGemvTokens] = {};
   for (I64 m = 0; m < M; ++m) xrows[m] = x_row(x, m);
   if constexpr (F != WFormat::FP8) {
     for (I64 r = r0; r < r1; r += 4) {
@@ -459,7 +458,7 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
 
 template <class V, WFormat F>
 void matmul_fp(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
-  if (!gemm && x.m <= kMaxTokensGemv) return matmul_fp_gemv<V, F>(w, r0, r1, x, y, ldy);
+  if (!gemm && x.m <= kMaxGemvTokens) return matmul_fp_gemv<V, F>(w, r0, r1, x, y, ldy);
   return matmul_fp_gemm<V, F>(w, r0, r1, x, y, ldy);
 }
 
