@@ -114,33 +114,34 @@ inline void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_rows, bool 
     }
 }
 
-// Tokens in the next token tile of a 4-row GEMV tile when `left` remain: 3 (12 FMA chains; each weight vector
-// is decoded once per token tile, so wider tiles decode less), 2 where that leaves no single token behind.
-inline int gemv_token_tile(I64 left) { return left == 4 || left == 2 ? 2 : (left >= 3 ? 3 : 1); }
+// The token tiles of a 4-row GEMV tile: fn(TokenTile<MT>{}, m) for tiles of MT tokens from token m, three at a
+// time (12 FMA chains; each weight vector is decoded once per token tile, so wider tiles decode less), two
+// where three would leave a single token behind.
+template <int MT>
+struct TokenTile {
+  static constexpr int kTokens = MT;
+};
+template <class Fn>
+inline void for_each_token_tile(I64 M, Fn&& fn) {
+  for (I64 m = 0; m < M;) {
+    const I64 left = M - m;
+    if (left == 4 || left == 2) fn(TokenTile<2>{}, m), m += 2;
+    else if (left >= 3) fn(TokenTile<3>{}, m), m += 3;
+    else fn(TokenTile<1>{}, m), m += 1;
+  }
+}
 
 // All token tiles of one 4-row tile over whole rows: y rows [row0, row0 + valid) = W4 . x[m].
 // next: the following tile's rows, prefetched while the first token tile reads this one (may be nullptr).
 template <class V, WFormat F>
 inline void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const float* const* xrows, I64 M, float* y,
                                 I64 ldy, I64 row0, I64 valid, const uint8_t* next) {
-  for (I64 m = 0; m < M;) {
-    const int mt = gemv_token_tile(M - m);
-    const uint8_t* pf = m == 0 ? next : nullptr;
-    if (mt == 3) {
-      float o[4][3];
-      fp_tile<V, F, 4, 3>(rowp, n, xrows + m, o, pf);
-      store_tile<4, 3>(y, ldy, m, row0, valid, true, o);
-    } else if (mt == 2) {
-      float o[4][2];
-      fp_tile<V, F, 4, 2>(rowp, n, xrows + m, o, pf);
-      store_tile<4, 2>(y, ldy, m, row0, valid, true, o);
-    } else {
-      float o[4][1];
-      fp_tile<V, F, 4, 1>(rowp, n, xrows + m, o, pf);
-      store_tile<4, 1>(y, ldy, m, row0, valid, true, o);
-    }
-    m += mt;
-  }
+  for_each_token_tile(M, [&](auto tile, I64 m) {
+    constexpr int MT = decltype(tile)::kTokens;
+    float o[4][MT];
+    fp_tile<V, F, 4, MT>(rowp, n, xrows + m, o, m == 0 ? next : nullptr);
+    store_tile<4, MT>(y, ldy, m, row0, valid, true, o);
+  });
 }
 
 // All token tiles of one 4-row fp8 tile (see fp8_tile); rows[i] are the tile's row indices.
@@ -148,25 +149,12 @@ template <class V>
 inline void fp8_row_tile_all_tokens(const Matrix& w, const uint8_t* const* rowp, const I64* rows,
                                     const float* const* xfast, const float* const* xexact, I64 M, float* y, I64 ldy,
                                     I64 row0, I64 valid, const uint8_t* next) {
-  for (I64 m = 0; m < M;) {
-    const int mt = gemv_token_tile(M - m);
-    const float* const* xf = xfast ? xfast + m : nullptr;
-    const uint8_t* pf = m == 0 ? next : nullptr;
-    if (mt == 3) {
-      float o[4][3];
-      fp8_tile<V, 4, 3>(w, rowp, rows, xf, xexact + m, o, pf);
-      store_tile<4, 3>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
-    } else if (mt == 2) {
-      float o[4][2];
-      fp8_tile<V, 4, 2>(w, rowp, rows, xf, xexact + m, o, pf);
-      store_tile<4, 2>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
-    } else {
-      float o[4][1];
-      fp8_tile<V, 4, 1>(w, rowp, rows, xf, xexact + m, o, pf);
-      store_tile<4, 1>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
-    }
-    m += mt;
-  }
+  for_each_token_tile(M, [&](auto tile, I64 m) {
+    constexpr int MT = decltype(tile)::kTokens;
+    float o[4][MT];
+    fp8_tile<V, 4, MT>(w, rowp, rows, xfast ? xfast + m : nullptr, xexact + m, o, m == 0 ? next : nullptr);
+    store_tile<4, MT>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
+  });
 }
 
 // Rows holding an fp8 NaN code give NaN for every token (as dequantise-then-matmul would).
@@ -432,14 +420,12 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
     for (I64 r = r0; r < r1; r += MR) {
       const I64 valid = imin(MR, r1 - r);
       for (I64 k0 = 0; k0 < K; k0 += kc) {
-        // the chunk after next: of these rows, or of the next tile's
+        // the chunk after next (whole chunks only): of these rows, or of the next tile's
         I64 pr = r, pk = k0 + 2 * kc;
         if (pk >= K) pr += MR, pk -= (K + kc - 1) / kc * kc;
-        const bool ahead = prefetch && pr < r1 && pk < K;
-        const I64 pn = ahead ? imin(kc, K - pk) : 0;
+        const bool ahead = prefetch && pr < r1 && pk + kc <= K;
         panel_tile<V, F>(w, r, valid, k0, imin(kc, K - k0), panel, panel_ld, xt + k0 * xt_ld, xt_ld, M, y, ldy,
-                         r - r0, ahead && pn == kc ? w.data + pr * w.row_bytes + pk * B : nullptr,
-                         imin(MR, r1 - pr));
+                         r - r0, ahead ? w.data + pr * w.row_bytes + pk * B : nullptr, imin(MR, r1 - pr));
       }
     }
   } else {

@@ -28,6 +28,14 @@ inline __m256 load_scales8(const uint16_t* p) {
   else return _mm256_cvtph_ps(v);
 }
 
+// acc (+)= the dot products of int4 codes u (0..15) and int8 activations s within one group: int16 pair sums
+// (acc16, widened once per group) where the ISA has them, else int32 (acci).
+template <class V>
+inline void add_u4(__m256i& acc16, __m256i& acci, __m256i u, __m256i s) {
+  if constexpr (V::kPairSums16) acc16 = V::pairs_u4(acc16, u, s);
+  else acci = V::dot_u4(acci, u, s);
+}
+
 // out[i][j] = sum over groups [g0, g1) of ws[i][g] * xs[j][g] * (integer dot of the group), kChunks = g / 32.
 // Scales are combined 8 groups at a time in vectors (weight scale x activation scale into a small table the
 // group loop broadcasts from), and so is the correction for unsigned-offset dot products (offset * ws * xs *
@@ -83,13 +91,8 @@ inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I6
             const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + e + 32));
             const __m256i xlo = _mm256_permute2x128_si256(a, b, 0x20), xhi = _mm256_permute2x128_si256(a, b, 0x31);
             for (int i = 0; i < R; ++i) {
-              if constexpr (kPairs16) {
-                acc16[i][j] = V::pairs_u4(acc16[i][j], lo[i], xlo);
-                acc16[i][j] = V::pairs_u4(acc16[i][j], hi[i], xhi);
-              } else {
-                acci[i][j] = V::dot_u4(acci[i][j], lo[i], xlo);
-                acci[i][j] = V::dot_u4(acci[i][j], hi[i], xhi);
-              }
+              add_u4<V>(acc16[i][j], acci[i][j], lo[i], xlo);
+              add_u4<V>(acc16[i][j], acci[i][j], hi[i], xhi);
             }
           }
         }
@@ -104,8 +107,7 @@ inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I6
         for (int j = 0; j < MT; ++j) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + e));
           for (int i = 0; i < R; ++i) {
-            if constexpr (kPairs16) acc16[i][j] = V::pairs_u4(acc16[i][j], wv[i], xv);
-            else if constexpr (F == WFormat::INT4) acci[i][j] = V::dot_u4(acci[i][j], wv[i], xv);
+            if constexpr (F == WFormat::INT4) add_u4<V>(acc16[i][j], acci[i][j], wv[i], xv);
             else acci[i][j] = V::dot_i8(acci[i][j], wv[i], xv);
           }
         }

@@ -20,13 +20,6 @@ using I64 = int64_t;
 I64 round_up(I64 v, I64 m) { return (v + m - 1) / m * m; }
 I64 ceil_div(I64 a, I64 b) { return (a + b - 1) / b; }
 
-// Grows b to at least n elements on OS node `node` (-1: unbound), keeping nothing; never shrinks, so memory
-// reused between calls costs no page faults.
-template <class T>
-T* grow(NodeBuffer<T>& b, I64 n, int node) {
-  return b.grow(static_cast<size_t>(n), node);
-}
-
 // Activation rows of one matrix format, owned; the storage (on one OS node, or unbound) is reused by later
 // init calls.
 struct ActBuffer {
@@ -44,16 +37,16 @@ struct ActBuffer {
     rows = n_rows;
     k = w.cols;
     ldx = round_up(k + 1, 16);  // + 1 keeps rows from aliasing cache sets when k is a power of two
-    grow(x, rows * ldx, node);
+    x.grow(rows * ldx, node);
     for (I64 r = 0; r < rows; ++r) std::fill(row(r) + k, row(r) + ldx, 0.0f);
     group = 0;
     if (is_int_format(w.fmt)) {
       group = w.group;
       ldq = w.padded_cols;
       ldg = w.padded_cols / w.group;
-      grow(q, rows * ldq, node);
-      grow(qscale, rows * ldg, node);
-      grow(qsum, rows * ldg, node);
+      q.grow(rows * ldq, node);
+      qscale.grow(rows * ldg, node);
+      qsum.grow(rows * ldg, node);
     }
   }
   size_t bytes() const { return x.bytes() + q.bytes() + qscale.bytes() + qsum.bytes(); }
@@ -251,7 +244,7 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
     max_blk = std::max(max_blk, blk_i[n]);
   }
   for (int n = 0; n < N; ++n) tasks[n] = S * blocks_i[n];
-  float* scratch = grow(ws.scratch, static_cast<I64>(threads) * 2 * max_tokens * max_blk, -1);
+  float* scratch = ws.scratch.grow(static_cast<I64>(threads) * 2 * max_tokens * max_blk, -1);
   pool.parallel_for_nodes(tasks, [&](int n, I64 task, int thread) {
     const I64 bi = blk_i[n], rows = nodes[n].end - nodes[n].begin;
     const I64 s = task / blocks_i[n], r0 = (task % blocks_i[n]) * bi, r1 = std::min(rows, r0 + bi);
@@ -275,7 +268,7 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   std::vector<I64> blk_h(static_cast<size_t>(N), 1), blocks_h(static_cast<size_t>(N), 0);
   for (int n = 0; n < N; ++n) {
     if (!active(n)) continue;
-    grow(y[n], T * K * H, memory_nodes_[n]);  // every element is written by the down phase
+    y[n].grow(T * K * H, memory_nodes_[n]);  // every element is written by the down phase
     blk_h[n] = task_rows(H, S, node_threads(n), gemm);
     blocks_h[n] = ceil_div(H, blk_h[n]);
   }

@@ -13,7 +13,6 @@
 
 #if defined(__linux__)
 #include <dirent.h>
-#include <sched.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -76,14 +75,10 @@ std::string format_cpulist(const std::vector<int>& cpus) {
 
 namespace {
 
+// The CPUs this process may use (as when the library was loaded: the calling thread may be pinned since).
 std::set<int> allowed_cpus() {
-  std::set<int> cpus;
-#if defined(__linux__)
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0)
-    for (int c = 0; c < CPU_SETSIZE; ++c)
-      if (CPU_ISSET(c, &set)) cpus.insert(c);
-#endif
+  const std::vector<int> initial = initial_cpus();
+  std::set<int> cpus(initial.begin(), initial.end());
   if (cpus.empty())
     for (int c = 0; c < available_cpus(); ++c) cpus.insert(c);
   return cpus;

@@ -59,10 +59,11 @@ class NodeMemory {
 template <class T>
 class NodeBuffer {
  public:
-  T* grow(size_t count, int node) {
-    if (!memory_ || memory_->size() < count * sizeof(T) || node != node_) {
+  T* grow(int64_t count, int node) {
+    const size_t bytes = static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T);
+    if (!memory_ || memory_->size() < bytes || node != node_) {
       memory_.reset();  // free before allocating the replacement
-      memory_ = std::make_unique<NodeMemory>(std::max<size_t>(count, 1) * sizeof(T), node);
+      memory_ = std::make_unique<NodeMemory>(bytes, node);
       node_ = node;
     }
     return data();
