@@ -122,6 +122,31 @@ VARIANTS = {
             mixed_copy_digit_share=0.2,  # ... or, this often, one of the ten digits
         ),
     ),
+    # A continuation of mixed_copy's step-1,700 checkpoint (weights and router biases, fresh optimiser) on
+    # passkey-heavy batches of widely varying width, so that the needle's position cannot answer: every
+    # step's width is log-uniform in [passkey_min_tokens, passkey_max_tokens] (up to the 1K goal's length);
+    # half the rows are passkey examples. Its own stream seed, so it sees examples the first run did not.
+    "passkey_focus": dict(
+        model=dict(qk_nope_head_dim=64),
+        train=dict(
+            stream="mixed",
+            init_from="mixed",  # training/runs/mixed/checkpoint.pt: model weights only
+            stream_seed=SEED + 1,
+            steps=4000,  # planned 3,000; lengthened at step 1,000 (same schedule up to the old decay start)
+            num_threads=2,  # steps 0-999 ran with one thread
+            lr=1e-3,
+            warmup_steps=50,
+            mixed_tokens_per_step=2048,
+            mixed_short_steps=0,
+            mixed_short_width=160,
+            passkey_min_tokens=160,
+            passkey_max_tokens=1200,
+            mixed_row_shares_long={"copy": 0.05, "text": 0.4, "passkey": 0.55},
+            mixed_copy_pattern_tokens=(6, 40),
+            mixed_copy_vocabulary=1000,
+            mixed_copy_digit_share=0.2,
+        ),
+    ),
 }
 
 

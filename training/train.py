@@ -144,8 +144,13 @@ def main() -> None:
 
     tokenizer = data_stream.load_tokenizer()
     stream = data_stream.MixedBatches if TRAIN["stream"] == "mixed" else data_stream.TrainingBatches
-    batches = iter(stream(tokenizer, data_stream.tokenize_split(tokenizer, "train"), SEED))
+    batches = iter(stream(tokenizer, data_stream.tokenize_split(tokenizer, "train"), TRAIN.get("stream_seed", SEED)))
     model = build_model(tokenizer).to(device)
+    checkpoint_path = run_dir / "checkpoint.pt"
+    if TRAIN.get("init_from") and not (args.resume and checkpoint_path.exists()):
+        source = RUNS_DIR / TRAIN["init_from"] / "checkpoint.pt"
+        model.load_state_dict(torch.load(source, map_location=device, weights_only=False)["model"])
+        print(f"initialised from {source}", flush=True)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": TRAIN["weight_decay"]},
@@ -155,7 +160,6 @@ def main() -> None:
     print(f"parameters {n_params:,}  device {device}  steps {args.steps}", flush=True)
 
     start_step, tokens_seen = 0, 0
-    checkpoint_path = run_dir / "checkpoint.pt"
     if args.resume and checkpoint_path.exists():
         state = torch.load(checkpoint_path, map_location=device, weights_only=False)
         model.load_state_dict(state["model"])
