@@ -119,6 +119,8 @@ def main() -> None:
     parser.add_argument("--run", default="demo", help="run name: checkpoints go to training/runs/<run>/")
     parser.add_argument("--steps", type=int, default=TRAIN["steps"])
     parser.add_argument("--resume", action="store_true", help="continue from training/runs/<run>/checkpoint.pt")
+    parser.add_argument("--stop-after", type=int, default=None,
+                        help="stop after this many steps of the --steps schedule (checkpoint saved, nothing exported)")
     parser.add_argument("--export", type=Path, default=None,
                         help="where the final model goes (default: the shipped demo_model directory; for a "
                              "variant, training/runs/<variant>/export/demo_model)")
@@ -174,7 +176,7 @@ def main() -> None:
     model.train()
     started = time.time()
     window = {"text": [], "copy": [], "passkey": [], "answer": []}
-    for step in range(start_step, args.steps):
+    for step in range(start_step, min(args.steps, args.stop_after or args.steps)):
         batch = next(batches)
         kinds = batch[2] if len(batch) == 3 else None  # the mixed stream names each row's kind
         input_ids, weights = (t.to(device) for t in batch[:2])
@@ -208,11 +210,14 @@ def main() -> None:
                   f"answer {mean['answer']:.3f}  lr {learning_rate(step, args.steps):.2e}  "
                   f"load max/mean {imbalance:.2f}  tokens {tokens_seen:,}  {elapsed:.0f}s", flush=True)
             window = {k: [] for k in window}
-        if (step + 1) % TRAIN["checkpoint_every"] == 0 or step + 1 == args.steps:
+        if (step + 1) % TRAIN["checkpoint_every"] == 0 or step + 1 in (args.steps, args.stop_after):
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
                         "tokens_seen": tokens_seen}, checkpoint_path.with_suffix(".tmp"))
             checkpoint_path.with_suffix(".tmp").replace(checkpoint_path)
 
+    if args.stop_after is not None and args.stop_after < args.steps:
+        print(f"stopped after step {args.stop_after} of {args.steps}; checkpoint in {run_dir}", flush=True)
+        return
     record.update(steps_trained=args.steps, tokens_seen=tokens_seen, parameters=n_params,
                   resumed_at_step=start_step or None, train_seconds_this_session=round(time.time() - started))
     export_model(model.cpu(), args.export, record)

@@ -27,7 +27,7 @@ def test_config_is_the_flagship_deepseek_v3_path(demo_dir, training_modules):
     assert config["n_group"] > 1 and config["topk_group"] < config["n_group"]  # group-limited routing
     for name in ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank"):
         assert config[name] % 128 == 0, f"{name}={config[name]} is not a multiple of the FP8 block"
-    recipe_config = training_modules["recipe"].MODEL_CONFIG
+    recipe_config = training_modules["recipe"].shipped_model_config()
     for name, value in recipe_config.items():
         if name in config:
             assert config[name] == value, f"config.json {name}={config[name]} but the recipe says {value}"
