@@ -97,7 +97,7 @@ TRAIN = dict(
     num_threads=1,
 )
 
-# ---- variants tried and not shipped (MODEL_CARD.md, "A third round") ----
+# ---- variants: mixed_copy then passkey_focus made the shipped model (SHIPPED_VARIANT; MODEL_CARD.md, Training) ----
 # `train.py --variant NAME` applies a variant's model and train entries on top of MODEL_CONFIG and TRAIN
 # (run directory training/runs/NAME/, export to training/runs/NAME/export/ unless --export is given).
 VARIANTS = {
@@ -132,8 +132,7 @@ VARIANTS = {
             stream="mixed",
             init_from="mixed_copy",  # training/runs/mixed_copy/checkpoint.pt (its step 1,700): model weights only
             stream_seed=SEED + 1,
-            steps=3000,  # the schedule of every restart (4,000 and 3,600 were tried from steps 1,000 and 1,500) is
-            # the same up to step 2,250, so this is exactly the run that was trained
+            steps=3000,  # steps 1,000-1,499 ran under a 4,000-step schedule, whose lr equals this one's there
             num_threads=2,  # steps 0-999 ran with one thread
             lr=1e-3,
             warmup_steps=50,
