@@ -148,6 +148,13 @@ VARIANTS = {
         ),
     ),
 }
+# More of passkey_focus (tried, not shipped: MODEL_CARD.md, Training): its final weights (fresh optimiser), the same
+# rows, 1,600 more steps at half the rate.
+VARIANTS["passkey_focus_more"] = dict(
+    model=VARIANTS["passkey_focus"]["model"],
+    train={**VARIANTS["passkey_focus"]["train"], "init_from": "passkey_focus", "stream_seed": SEED + 2, "steps": 1600,
+           "lr": 5e-4},
+)
 
 
 # The shipped demo model: mixed_copy's first 1,700 steps, then passkey_focus's 3,000 (MODEL_CARD.md, Training).
