@@ -5,8 +5,8 @@ a checkpoint skips the batches it has already seen and continues exactly. A batc
 (input_ids [B, T+1] int64, loss_weights [B, T] float32): the model reads input_ids[:, :-1] and predicts
 input_ids[:, 1:], each target weighted by loss_weights (passkey answer digits weigh more). From
 phase2_start_step on, passkey steps come more often and hold batches of right-padded examples.
-`MixedBatches` is the stream of the mixed_copy variant (recipe.VARIANTS, not shipped): copy, text and
-passkey rows side by side in every batch.
+`MixedBatches` is the stream of the variants the shipped model was trained with (recipe.VARIANTS): copy, text
+and passkey rows side by side in every batch.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,6 +50,15 @@ def tokenize_split(tokenizer: Tokenizer, split: str) -> dict[str, list[list[int]
         # chat text already starts with BOS and ends each turn with EOS (the template writes them)
         out[source] = [e.ids if source == "chat" else [bos, *e.ids, eos] for e in encodings]
     return out
+
+
+def answer_half_weights(ids: list[int], digits: list[int]) -> list[float]:
+    """Loss weights of a passkey example's targets (ids[1:]): 1 each, except the answer digits (target indices
+    `digits`), which together weigh as much as all the other targets."""
+    weights = [1.0] * (len(ids) - 1)
+    for index in digits:
+        weights[index] = (len(ids) - 1 - len(digits)) / len(digits)
+    return weights
 
 
 class TrainingBatches:
@@ -116,8 +126,7 @@ class TrainingBatches:
         weights = torch.zeros(len(examples), width - 1)  # [B, T]
         for row, (ids, digits) in enumerate(examples):
             input_ids[row, : len(ids)] = torch.tensor(ids)
-            weights[row, : len(ids) - 1] = 1.0
-            weights[row, digits] = (len(ids) - 1 - len(digits)) / len(digits)
+            weights[row, : len(ids) - 1] = torch.tensor(answer_half_weights(ids, digits))
         return input_ids, weights
 
     def _passkey_example(self, target: int) -> tuple[list[int], list[int]]:
@@ -155,8 +164,6 @@ class MixedBatches(TrainingBatches):
 
     def __init__(self, tokenizer: Tokenizer, documents: dict[str, list[list[int]]], seed: int):
         super().__init__(tokenizer, documents, seed)
-        from collections import Counter
-
         special = {tokenizer.token_to_id(t) for t in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)}
         counts = Counter(t for docs in documents.values() for doc in docs for t in doc)
         frequent = [t for t, _ in counts.most_common() if t not in special]
@@ -212,7 +219,4 @@ class MixedBatches(TrainingBatches):
 
     def _passkey_row(self, width: int) -> tuple[list[int], list[float]]:
         ids, digits = self._passkey_example(max(TRAIN["passkey_min_tokens"], width - 8))
-        weights = [1.0] * (len(ids) - 1)
-        for index in digits:
-            weights[index] = (len(ids) - 1 - len(digits)) / len(digits)
-        return ids, weights
+        return ids, answer_half_weights(ids, digits)

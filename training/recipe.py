@@ -122,32 +122,28 @@ VARIANTS = {
             mixed_copy_digit_share=0.2,  # ... or, this often, one of the ten digits
         ),
     ),
-    # A continuation of mixed_copy's step-1,700 checkpoint (weights and router biases, fresh optimiser) on
-    # passkey-heavy batches of widely varying width, so that the needle's position cannot answer: every
-    # step's width is log-uniform in [passkey_min_tokens, passkey_max_tokens] (up to the 1K goal's length);
-    # half the rows are passkey examples. Its own stream seed, so it sees examples the first run did not.
-    "passkey_focus": dict(
-        model=dict(qk_nope_head_dim=64),
-        train=dict(
-            stream="mixed",
-            init_from="mixed_copy",  # training/runs/mixed_copy/checkpoint.pt (its step 1,700): model weights only
-            stream_seed=SEED + 1,
-            steps=3000,  # steps 1,000-1,499 ran under a 4,000-step schedule, whose lr equals this one's there
-            num_threads=2,  # steps 0-999 ran with one thread
-            lr=1e-3,
-            warmup_steps=50,
-            mixed_tokens_per_step=2048,
-            mixed_short_steps=0,
-            mixed_short_width=160,
-            passkey_min_tokens=160,
-            passkey_max_tokens=1200,
-            mixed_row_shares_long={"copy": 0.05, "text": 0.4, "passkey": 0.55},
-            mixed_copy_pattern_tokens=(6, 40),
-            mixed_copy_vocabulary=1000,
-            mixed_copy_digit_share=0.2,
-        ),
-    ),
 }
+# A continuation of mixed_copy's step-1,700 checkpoint (weights and router biases, fresh optimiser), its rows and
+# model, on passkey-heavy batches of widely varying width, so that the needle's position cannot answer: every
+# step's width is log-uniform in [passkey_min_tokens, passkey_max_tokens] (up to the 1K goal's length); half the
+# rows are passkey examples. Its own stream seed, so it sees examples the first run did not.
+VARIANTS["passkey_focus"] = dict(
+    model=VARIANTS["mixed_copy"]["model"],
+    train={
+        **VARIANTS["mixed_copy"]["train"],
+        "init_from": "mixed_copy",  # training/runs/mixed_copy/checkpoint.pt (its step 1,700): model weights only
+        "stream_seed": SEED + 1,
+        "steps": 3000,  # steps 1,000-1,499 ran under a 4,000-step schedule, whose lr equals this one's there
+        "num_threads": 2,  # steps 0-999 ran with one thread
+        "lr": 1e-3,
+        "warmup_steps": 50,
+        "mixed_short_steps": 0,
+        "mixed_short_width": 160,
+        "passkey_min_tokens": 160,
+        "passkey_max_tokens": 1200,
+        "mixed_row_shares_long": {"copy": 0.05, "text": 0.4, "passkey": 0.55},
+    },
+)
 # More of passkey_focus (tried, not shipped: MODEL_CARD.md, Training): its final weights (fresh optimiser), the same
 # rows, 1,600 more steps at half the rate.
 VARIANTS["passkey_focus_more"] = dict(

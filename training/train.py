@@ -6,8 +6,10 @@ checkpoint_every steps) hold model, optimiser and router-bias state, so --resume
 Routing is balanced without an auxiliary loss, as in DeepSeek-V3: after each step every MoE layer's
 e_score_correction_bias moves by router_bias_update_rate towards equal expert load.
 
-Run (after prepare_data.py and train_tokenizer.py):
-  nohup .venv/bin/python training/train.py > training/runs/train.log 2>&1 &
+Run (after prepare_data.py and train_tokenizer.py) the shipped model's two runs (MODEL_CARD.md, Reproducing):
+  .venv/bin/python training/train.py --variant mixed_copy --stop-after 1700
+  .venv/bin/python training/train.py --variant passkey_focus --export src/hybridmoe/assets/demo_model
+Every run exports into training/runs/<run>/export/ unless --export says otherwise.
 """
 
 from __future__ import annotations
@@ -122,10 +124,10 @@ def main() -> None:
     parser.add_argument("--stop-after", type=int, default=None,
                         help="stop after this many steps of the --steps schedule (checkpoint saved, nothing exported)")
     parser.add_argument("--export", type=Path, default=None,
-                        help="where the final model goes (default: the shipped demo_model directory; for a "
-                             "variant, training/runs/<variant>/export/demo_model)")
+                        help="where the final model goes (default: training/runs/<run>/export/demo_model; the shipped "
+                             "model: src/hybridmoe/assets/demo_model)")
     parser.add_argument("--variant", choices=sorted(recipe.VARIANTS), default=None,
-                        help="train a recipe variant (recipe.VARIANTS) instead of the shipped recipe")
+                        help="train a recipe variant (recipe.VARIANTS) instead of the base (phased) recipe")
     args = parser.parse_args()
     if args.variant:
         recipe.apply_variant(args.variant)
@@ -134,7 +136,7 @@ def main() -> None:
         if args.steps == parser.get_default("steps"):
             args.steps = TRAIN["steps"]
     if args.export is None:
-        args.export = RUNS_DIR / args.run / "export" / "demo_model" if args.variant else recipe.DEMO_MODEL_DIR
+        args.export = RUNS_DIR / args.run / "export" / "demo_model"
 
     torch.set_num_threads(TRAIN["num_threads"])
     random.seed(SEED)
