@@ -11,6 +11,9 @@ script measures, for the shipped model or a training checkpoint:
     logits on held-out text: the content part (q_nope . k_nope, read through the 128-wide kv latent) and the
     position part (q_rope . k_rope, the 32-wide RoPE key shared by all heads). A content part far smaller than
     the position part means attention follows position, not content, and cannot find a match far back.
+  - on passkey examples (teacher-forced answer " ddddd"): the accuracy of each answer digit, each head's
+    attention on the needle digit it should copy, and the accuracy when one layer's query loses its RoPE part
+    or its content part (q_b_proj rows zeroed): which part of which layer does the retrieval.
 Run: .venv/bin/python training/probe_attention.py [--checkpoint training/runs/demo/checkpoint.pt [--variant NAME]]
 (without --checkpoint it probes src/hybridmoe/assets/demo_model).
 """
@@ -29,6 +32,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (apply_rotary_p
                                                                  apply_rotary_pos_emb_interleave)
 
 import data_stream
+import passkey
 from recipe import DEMO_MODEL_DIR, SPECIAL_TOKENS
 
 
@@ -98,10 +102,75 @@ def logit_parts(model, ids: torch.Tensor) -> list[dict]:
     return rows
 
 
+def passkey_rows(tokenizer, length: int, count: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) of `count` classic-filler passkey examples of about `length` tokens."""
+    rng = random.Random(seed)
+    count_tokens = lambda text: len(tokenizer.encode(text).ids)  # noqa: E731
+    rows = []
+    for _ in range(count):
+        example = passkey.make_passkey_example_near(rng, length, count_tokens)
+        rows.append((tokenizer.encode(example.prompt).ids,
+                     tokenizer.encode(example.answer.rstrip("."), add_special_tokens=False).ids))
+    return rows
+
+
+@torch.no_grad()
+def passkey_probe(model, rows: list[tuple[list[int], list[int]]]) -> dict:
+    """Teacher-forced digit accuracy and, per layer and head, the attention of each answer position on the
+    needle digit it must produce (summed over the needle's two occurrences). The answer is " " + 5 digits."""
+    digits = len(rows[0][1]) - 1
+    correct = torch.zeros(digits)
+    on_source = torch.zeros(len(model.model.layers), model.config.num_attention_heads)
+    for prompt, answer in rows:
+        n = len(prompt)
+        starts = [j for j in range(n - len(answer)) if prompt[j:j + len(answer)] == answer]  # needle occurrences
+        out = model(input_ids=torch.tensor([prompt + answer]), output_attentions=True)
+        predicted = out.logits[0].argmax(-1)  # [T]
+        for k in range(digits):  # position n + k predicts answer digit k (answer[k + 1])
+            correct[k] += float(predicted[n + k] == answer[k + 1])
+            sources = [start + 1 + k for start in starts]
+            for layer, att in enumerate(out.attentions):  # [1, H, T, T]
+                on_source[layer] += att[0, :, n + k, sources].sum(-1)
+    return {"digit_accuracy": [round(x, 2) for x in (correct / len(rows)).tolist()],
+            "attention_on_source": [[round(x, 2) for x in row] for row in (on_source / (len(rows) * digits)).tolist()]}
+
+
+@torch.no_grad()
+def digit_accuracy(model, rows) -> float:
+    hits = 0.0
+    for prompt, answer in rows:
+        predicted = model(input_ids=torch.tensor([prompt + answer])).logits[0].argmax(-1)
+        hits += sum(float(predicted[len(prompt) + k] == answer[k + 1]) for k in range(len(answer) - 1))
+    return round(hits / (len(rows) * (len(rows[0][1]) - 1)), 2)
+
+
+@torch.no_grad()
+def query_part_ablation(model, rows) -> list[dict]:
+    """Digit accuracy with one layer's queries cut to their content part (RoPE rows of q_b_proj zeroed) or to
+    their RoPE part (content rows zeroed); the weights are restored afterwards."""
+    result = []
+    for index, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        weight = attn.q_b_proj.weight  # [heads * (nope + rope), q_lora_rank]
+        per_head = weight.view(attn.num_heads, attn.qk_nope_head_dim + attn.qk_rope_head_dim, -1)
+        saved = weight.clone()
+        accuracy = {}
+        for part, rows_of_part in (("without_rope", slice(attn.qk_nope_head_dim, None)),
+                                   ("without_content", slice(0, attn.qk_nope_head_dim))):
+            per_head[:, rows_of_part] = 0
+            accuracy[part] = digit_accuracy(model, rows)
+            weight.copy_(saved)
+        result.append({"layer": index, **accuracy})
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, default=None)
     parser.add_argument("--variant", default=None, help="the recipe variant the checkpoint was trained with")
+    parser.add_argument("--passkey-lengths", type=int, nargs="*", default=[512, 1024],
+                        help="passkey probe lengths in tokens (none: skip the passkey probe)")
+    parser.add_argument("--passkey-examples", type=int, default=16)
     args = parser.parse_args()
     if args.variant:
         import recipe
@@ -123,6 +192,15 @@ def main() -> None:
     for row in logit_parts(model, torch.tensor([text])):
         print(f"layer {row['layer']}: logit std, content part {row['content_std']}, "
               f"position part {row['position_std']}")
+    for length in args.passkey_lengths:
+        rows = passkey_rows(tokenizer, length, args.passkey_examples, seed=123)
+        probe = passkey_probe(model, rows)
+        print(f"passkey {length} tokens: teacher-forced accuracy of answer digits 1-5 {probe['digit_accuracy']}")
+        for layer, heads in enumerate(probe["attention_on_source"]):
+            print(f"  layer {layer}: attention on the needle digit to copy, per head {heads}")
+        for row in query_part_ablation(model, rows):
+            print(f"  layer {row['layer']} queries without their RoPE part: digit accuracy {row['without_rope']}; "
+                  f"without their content part: {row['without_content']}")
 
 
 if __name__ == "__main__":
