@@ -6,9 +6,11 @@ checkpoint_every steps) hold model, optimiser and router-bias state, so --resume
 Routing is balanced without an auxiliary loss, as in DeepSeek-V3: after each step every MoE layer's
 e_score_correction_bias moves by router_bias_update_rate towards equal expert load.
 
-Run (after prepare_data.py and train_tokenizer.py) the shipped model's two runs (MODEL_CARD.md, Reproducing):
+Run (after prepare_data.py and train_tokenizer.py) the shipped model's four runs (MODEL_CARD.md, Reproducing):
   .venv/bin/python training/train.py --variant mixed_copy --stop-after 1700
-  .venv/bin/python training/train.py --variant passkey_focus --export src/hybridmoe/assets/demo_model
+  .venv/bin/python training/train.py --variant passkey_focus
+  .venv/bin/python training/train.py --variant passkey_long
+  .venv/bin/python training/train.py --variant passkey_long_text --export src/hybridmoe/assets/demo_model
 Every run exports into training/runs/<run>/export/ unless --export says otherwise.
 """
 
