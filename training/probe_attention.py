@@ -114,6 +114,13 @@ def passkey_rows(tokenizer, length: int, count: int, seed: int) -> list[tuple[li
     return rows
 
 
+def answer_hits(logits: torch.Tensor, prompt_tokens: int, answer: list[int]) -> list[bool]:
+    """Whether each answer digit is the greedy prediction (teacher forcing): position prompt_tokens + k predicts
+    answer[k + 1] (answer[0] is the space before the digits). logits: [T, V] over prompt + answer."""
+    predicted = logits.argmax(-1)  # [T]
+    return [bool(predicted[prompt_tokens + k] == answer[k + 1]) for k in range(len(answer) - 1)]
+
+
 @torch.no_grad()
 def passkey_probe(model, rows: list[tuple[list[int], list[int]]]) -> dict:
     """Teacher-forced digit accuracy and, per layer and head, the attention of each answer position on the
@@ -125,9 +132,8 @@ def passkey_probe(model, rows: list[tuple[list[int], list[int]]]) -> dict:
         n = len(prompt)
         starts = [j for j in range(n - len(answer)) if prompt[j:j + len(answer)] == answer]  # needle occurrences
         out = model(input_ids=torch.tensor([prompt + answer]), output_attentions=True)
-        predicted = out.logits[0].argmax(-1)  # [T]
-        for k in range(digits):  # position n + k predicts answer digit k (answer[k + 1])
-            correct[k] += float(predicted[n + k] == answer[k + 1])
+        correct += torch.tensor(answer_hits(out.logits[0], n, answer), dtype=torch.float32)
+        for k in range(digits):  # position n + k predicts answer digit k
             sources = [start + 1 + k for start in starts]
             for layer, att in enumerate(out.attentions):  # [1, H, T, T]
                 on_source[layer] += att[0, :, n + k, sources].sum(-1)
@@ -137,10 +143,8 @@ def passkey_probe(model, rows: list[tuple[list[int], list[int]]]) -> dict:
 
 @torch.no_grad()
 def digit_accuracy(model, rows) -> float:
-    hits = 0.0
-    for prompt, answer in rows:
-        predicted = model(input_ids=torch.tensor([prompt + answer])).logits[0].argmax(-1)
-        hits += sum(float(predicted[len(prompt) + k] == answer[k + 1]) for k in range(len(answer) - 1))
+    hits = sum(sum(answer_hits(model(input_ids=torch.tensor([prompt + answer])).logits[0], len(prompt), answer))
+               for prompt, answer in rows)
     return round(hits / (len(rows) * (len(rows[0][1]) - 1)), 2)
 
 
