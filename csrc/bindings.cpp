@@ -360,9 +360,10 @@ NB_MODULE(_native, mod) {
       .def_prop_ro("numa_shards", [](const PyMoE& m) {
         nb::list shards;
         for (const NodeShard& s : m.layer->shards())
-          shards.append(nb::make_tuple(s.begin, s.end, s.copied_bytes, s.bound));
+          shards.append(nb::make_tuple(s.begin, s.end, s.copied_bytes, s.bound, s.huge_pages));
         return shards;
-      }, "Per NUMA node: (begin, end) of its intermediate range, bytes copied into its memory, bound (mbind)")
+      }, "Per NUMA node: (begin, end) of its intermediate range, bytes copied into its memory, bound (mbind), "
+         "huge pages advised (madvise)")
       .def_prop_ro("owns_weights", [](const PyMoE& m) { return m.layer->owns_weights(); },
                    "Every node computes from its own copy; the tensors the layer was built from are not used")
       .def("submit", [](nb::object self, nb::object hidden, nb::object ids, nb::object weights, nb::object out,
@@ -407,6 +408,7 @@ NB_MODULE(_native, mod) {
     NumaTopology t;
     if (nodes.empty()) {
       t = detect_numa_topology();
+      t.copy_shards = t.copy_shards || copy_shards;
     } else {
       t.node_cpus = std::move(nodes);
       t.emulated = true;

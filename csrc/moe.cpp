@@ -158,7 +158,7 @@ MoELayer::MoELayer(std::vector<ExpertMatrices> experts, I64 hidden, I64 intermed
   const int N = static_cast<int>(shards_.nodes.size());
   memory_nodes_.assign(static_cast<size_t>(N), -1);
   if (N > 1) memory_nodes_ = topology.memory_node;
-  owns_weights_ = N > 1;
+  owns_weights_ = true;  // every node computes from its copy (several nodes, or one with HYBRIDMOE_COPY_EXPERTS=1)
   for (const NodeShard& shard : shards_.nodes) owns_weights_ &= shard.experts.empty() || shard.copied_bytes > 0;
   if (owns_weights_)  // only shapes and formats are read from here on: no pointer into the originals is kept
     for (ExpertMatrices& e : experts_)

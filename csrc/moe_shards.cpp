@@ -2,7 +2,9 @@
 #include "moe_shards.h"
 
 #include <cstring>
+#include <map>
 #include <numeric>
+#include <tuple>
 #include <stdexcept>
 #include <string>
 
@@ -146,7 +148,7 @@ ShardedExperts shard_experts(const std::vector<ExpertMatrices>& experts, I64 int
                              const NumaTopology& topology) {
   ShardedExperts out;
   const int N = topology.num_nodes();
-  if (N <= 1) {
+  if (N <= 1 && !topology.copy_shards) {
     out.nodes.push_back(NodeShard{0, intermediate, experts, 0, false});
     return out;
   }
@@ -167,18 +169,26 @@ ShardedExperts shard_experts(const std::vector<ExpertMatrices>& experts, I64 int
       }
     }
     if (topology.copy_shards && !shard.experts.empty()) {
+      // A matrix given for several experts (the same memory, scales and shape) is copied once and shared again.
+      using Key = std::tuple<const uint8_t*, const void*, I64, I64, I64>;
+      auto key = [](const Matrix& m) { return Key{m.data, m.scales, m.rows, m.cols, m.row_bytes}; };
+      std::map<Key, Matrix> copies;
       I64 bytes = 0;
-      for (const ExpertMatrices& e : shard.experts) bytes += copy_bytes(e.gate) + copy_bytes(e.up) + copy_bytes(e.down);
+      for (const ExpertMatrices& e : shard.experts)
+        for (const Matrix* m : {&e.gate, &e.up, &e.down})
+          if (copies.emplace(key(*m), *m).second) bytes += copy_bytes(*m);
       out.memory.push_back(std::make_unique<NodeMemory>(static_cast<size_t>(bytes), topology.memory_node[n]));
       uint8_t* dst = out.memory.back()->data();
+      for (auto& [_, m] : copies) {
+        const I64 b = copy_bytes(m);
+        m = copy_matrix(m, dst);
+        dst += b;
+      }
       for (ExpertMatrices& e : shard.experts)
-        for (Matrix* m : {&e.gate, &e.up, &e.down}) {
-          const I64 b = copy_bytes(*m);
-          *m = copy_matrix(*m, dst);
-          dst += b;
-        }
+        for (Matrix* m : {&e.gate, &e.up, &e.down}) *m = copies.at(key(*m));
       shard.copied_bytes = static_cast<size_t>(bytes);
       shard.bound = out.memory.back()->bound();
+      shard.huge_pages = out.memory.back()->huge_pages();
     }
     out.nodes.push_back(std::move(shard));
   }

@@ -3,7 +3,8 @@
 // the format's granularity (fp8: whole 128x128 scale blocks; int: whole groups of down's columns; dense: 32
 // columns), so a node's partial down projection uses exactly the scales / groups of the whole matrix, and
 // the partial outputs of the nodes sum to the layer's output. Nothing is duplicated: shards are views of the
-// weights, or (topology.copy_shards, several real nodes) copies placed in the node's memory instead.
+// weights, or (topology.copy_shards: several real nodes, or HYBRIDMOE_COPY_EXPERTS=1 also on one node) copies
+// placed in the node's memory instead, 2 MB-aligned and advised for transparent huge pages.
 //
 // Legend: I expert intermediate, H hidden, N nodes.
 #pragma once
@@ -27,6 +28,7 @@ struct NodeShard {
   std::vector<ExpertMatrices> experts;  // gate/up rows [begin, end), down columns [begin, end)
   size_t copied_bytes = 0;              // weight bytes copied into this node's memory (0: views)
   bool bound = false;                   // that memory is bound to the node (mbind)
+  bool huge_pages = false;              // that memory is advised for transparent huge pages (madvise)
 };
 
 struct ShardedExperts {

@@ -28,7 +28,7 @@ int NumaTopology::total_cpus() const {
 
 std::string NumaTopology::describe() const {
   std::string s = std::to_string(num_nodes()) + (num_nodes() == 1 ? " node" : " nodes") +
-                  (emulated ? " (emulated)" : " (detected)") + (copy_shards ? ", shards copied to node memory" : "");
+                  (emulated ? " (emulated)" : " (detected)") + (copy_shards ? ", experts copied at load into huge-page node memory" : "");
   for (int n = 0; n < num_nodes(); ++n)
     s += "; node " + std::to_string(n) + " cpus " + format_cpulist(node_cpus[n]) + " memory " +
          (memory_node[n] >= 0 ? std::to_string(memory_node[n]) : std::string("unbound"));
@@ -128,14 +128,24 @@ NumaTopology detect_numa_topology() {
 
 NumaTopology default_numa_topology() {
   const char* env = std::getenv("HYBRIDMOE_NUMA_NODES");
-  if (!env || !*env) return detect_numa_topology();
   NumaTopology t;
-  t.emulated = true;
-  std::stringstream ss(env);
-  std::string node;
-  while (std::getline(ss, node, ';')) {
-    t.node_cpus.push_back(parse_cpulist(node, "HYBRIDMOE_NUMA_NODES node " + std::to_string(t.num_nodes())));
-    t.memory_node.push_back(-1);
+  if (!env || !*env) {
+    t = detect_numa_topology();
+  } else {
+    t.emulated = true;
+    std::stringstream ss(env);
+    std::string node;
+    while (std::getline(ss, node, ';')) {
+      t.node_cpus.push_back(parse_cpulist(node, "HYBRIDMOE_NUMA_NODES node " + std::to_string(t.num_nodes())));
+      t.memory_node.push_back(-1);
+    }
+  }
+  if (const char* copy = std::getenv("HYBRIDMOE_COPY_EXPERTS"); copy && *copy) {
+    const std::string value = copy;
+    if (value != "0" && value != "1")
+      throw std::invalid_argument("HYBRIDMOE_COPY_EXPERTS must be 0 (experts read in place) or 1 (copied at load "
+                                  "into the kernels' huge-page memory), got \"" + value + "\"");
+    t.copy_shards = value == "1";
   }
   return t;
 }
@@ -162,9 +172,25 @@ NodeMemory::NodeMemory(size_t bytes, int node) : size_(bytes) {
 #if defined(__linux__)
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   mapped_ = (bytes + page - 1) / page * page;
-  void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) throw std::bad_alloc();
-  data_ = static_cast<uint8_t*>(p);
+  if (mapped_ >= kHugePageBytes) {
+    // 2 MB-aligned and advised before the first touch, so that the kernel backs it with transparent huge pages
+    // where THP is "madvise" or "always": weights streamed at the bandwidth limit then cost one TLB entry per
+    // 2 MB instead of per 4 KB. The unaligned head and tail of an oversized mapping are returned.
+    const size_t over = mapped_ + kHugePageBytes;
+    void* p = mmap(nullptr, over, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    const uintptr_t start = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t aligned = (start + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+    if (aligned > start) munmap(p, aligned - start);
+    const uintptr_t end = aligned + mapped_;
+    if (start + over > end) munmap(reinterpret_cast<void*>(end), start + over - end);
+    data_ = reinterpret_cast<uint8_t*>(aligned);
+    huge_pages_ = madvise(data_, mapped_, MADV_HUGEPAGE) == 0;
+  } else {
+    void* p = mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    data_ = static_cast<uint8_t*>(p);
+  }
   if (node >= 0 && node < 1024) {
     unsigned long mask[1024 / (8 * sizeof(unsigned long))] = {};
     mask[node / (8 * sizeof(unsigned long))] |= 1UL << (node % (8 * sizeof(unsigned long)));

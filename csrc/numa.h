@@ -19,7 +19,7 @@ struct NumaTopology {
   std::vector<std::vector<int>> node_cpus;  // per node: the CPUs its threads run on
   std::vector<int> memory_node;             // per node: OS node to bind its shards to, -1 = do not bind
   bool emulated = false;                    // from an override, not from /sys
-  bool copy_shards = false;                 // copy each node's weight shards into its memory at load
+  bool copy_shards = false;                 // copy each node's weight shards into its memory at load (THP)
   int num_nodes() const { return static_cast<int>(node_cpus.size()); }
   int total_cpus() const;
   std::string describe() const;             // "2 nodes (detected): node 0 cpus 0-3 memory 0; ..."
@@ -32,13 +32,16 @@ std::string format_cpulist(const std::vector<int>& cpus);
 // The machine's nodes (those with CPUs this process may use); one node of all usable CPUs where /sys has none.
 // Several real nodes copy their shards into node memory.
 NumaTopology detect_numa_topology();
-// HYBRIDMOE_NUMA_NODES when set (emulated, no memory binding), else detect_numa_topology().
+// HYBRIDMOE_NUMA_NODES when set (emulated, no memory binding), else detect_numa_topology(); then
+// HYBRIDMOE_COPY_EXPERTS=1 / 0 turns the load-time copies on (one node too: the experts whole) / off.
 NumaTopology default_numa_topology();
 
 // Anonymous memory of `bytes` bound (mbind MPOL_BIND) to OS node `node` (no binding when node < 0 or the
-// kernel refuses: `bound` says which). Freed with the object.
+// kernel refuses: `bound` says which). From 2 MB on it is 2 MB-aligned and advised for transparent huge pages
+// (`huge_pages`: the advice was taken; the kernel grants them where THP is not "never"). Freed with the object.
 class NodeMemory {
  public:
+  static constexpr size_t kHugePageBytes = size_t{2} << 20;
   NodeMemory(size_t bytes, int node);
   ~NodeMemory();
   NodeMemory(const NodeMemory&) = delete;
@@ -46,11 +49,12 @@ class NodeMemory {
   uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   bool bound() const { return bound_; }
+  bool huge_pages() const { return huge_pages_; }
 
  private:
   uint8_t* data_ = nullptr;
   size_t size_ = 0, mapped_ = 0;
-  bool bound_ = false;
+  bool bound_ = false, huge_pages_ = false;
 };
 
 // A growable scratch array of T in memory bound to OS node `node` (< 0: unbound). grow() never shrinks and does

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from hybridmoe.bench import kernels as bench
+from hybridmoe.kernels import numa
 
 
 @pytest.mark.slow
@@ -18,6 +19,7 @@ def test_bench_writes_the_report(tmp_path, monkeypatch):
     assert bench.run(argparse.Namespace(quick=True, json=str(out), formats="fp8,int4,bf16")) == 0
     report = json.loads(out.read_text())
     assert report["memory_bandwidth_gbs"] > 0 and report["threads"] >= 1 and report["isa"]
+    assert report["expert_memory"] == bench.EXPERT_MEMORY[numa.topology()["copy_shards"]]
     assert [(r["format"], r["tokens"]) for r in report["results"]] == [
         (f, t) for f in ("fp8", "int4", "bf16") for t in (1, 9)]
     for row in report["results"]:

@@ -193,3 +193,63 @@ def test_info_prints_the_numa_layout_from_the_environment():
     assert result.returncode == 0, result.stderr
     assert "NUMA layout: 2 nodes (emulated); node 0 cpus 0 memory unbound; node 1 cpus 0-1" in result.stdout
     assert "threads per node: node 0: 1, node 1: 2" in result.stdout
+
+
+def _thp_available() -> bool:
+    return os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def test_one_node_copies_on_huge_pages_compute_the_same():
+    gen = torch.Generator().manual_seed(6)
+    kwargs, exact = random_experts("fp8", 8, 1024, 512, gen)  # 12 MB of weights: the copy is advised for THP
+    batch = (torch.randn(5, 1024, generator=gen),) + random_routing(5, K, 8, gen)
+    views = FusedMoE(**kwargs)
+    assert views.numa_shards == [(0, 512, 0, False, False)] and not views.owns_weights
+    expected = views(*batch)
+    with numa.use_numa(None, copy_shards=True):
+        assert "experts copied at load into huge-page node memory" in numa.topology()["description"]
+        copied = FusedMoE(**kwargs)
+        [(begin, end, nbytes, bound, huge)] = copied.numa_shards
+        weight_bytes = sum(t.numel() * t.element_size() for name in ("gate", "up", "down") for t in kwargs[name])
+        assert (begin, end, bound) == (0, 512, False) and nbytes >= weight_bytes
+        assert huge == _thp_available() and copied.owns_weights
+        for name in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale"):
+            for t in kwargs[name]:  # the layer must read its copies
+                t.view(torch.uint8).fill_(0x3C)
+        assert torch.equal(copied(*batch), expected)  # the same single-node computation, bit for bit
+        assert _error(expected, reference.moe_reference(*batch, exact)) < _reference_tolerance("fp8")
+    assert not numa.topology()["copy_shards"]
+
+
+@pytest.mark.parametrize("value,copies", [("1", True), ("0", False)])
+def test_copy_experts_from_the_environment(value, copies):
+    code = ("import torch, sys; sys.path.insert(0, 'tests/kernels'); from kernel_testing import random_experts; "
+            "from hybridmoe.kernels import numa; from hybridmoe.kernels.moe import FusedMoE; "
+            "kw, _ = random_experts('int4', 4, 256, 256, torch.Generator().manual_seed(0)); "
+            "print(numa.topology()['copy_shards'], FusedMoE(**kw).owns_weights)")
+    env = dict(os.environ, HYBRIDMOE_COPY_EXPERTS=value)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(copies), str(copies)]
+
+
+def test_bad_copy_experts_value_is_a_clear_error():
+    env = dict(os.environ, HYBRIDMOE_COPY_EXPERTS="yes")
+    result = subprocess.run([sys.executable, "-c", "from hybridmoe.kernels import numa; numa.topology()"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode != 0
+    assert 'HYBRIDMOE_COPY_EXPERTS must be 0 (experts read in place) or 1' in result.stderr
+
+
+def test_a_matrix_given_for_several_experts_is_copied_once():
+    gen = torch.Generator().manual_seed(7)
+    kwargs, exact = random_experts("int8", 2, H, I, gen)
+    aliased = {name: [kwargs[name][e % 2] for e in range(6)] for name in kwargs if isinstance(kwargs[name], list)}
+    batch = (torch.randn(4, H, generator=gen),) + random_routing(4, K, 6, gen)
+    expected = FusedMoE(**{**kwargs, **aliased})(*batch)
+    with numa.use_numa(None, copy_shards=True):
+        two = FusedMoE(**kwargs).numa_shards[0][2]
+        six = FusedMoE(**{**kwargs, **aliased})
+        assert six.numa_shards[0][2] == two  # six experts over two distinct ones: two experts' bytes
+        assert torch.equal(six(*batch), expected)

@@ -7,6 +7,10 @@ layer's experts alias a pool of distinct weights much larger than the caches, an
 routing, so weights stream from memory as in decode. Side by side, on the same routing: torch bf16 matmul on
 pre-converted weights, and torch dequantise-then-matmul of the format's weights.
 
+The bandwidth probe's 1 GiB comes from numpy, which asks for transparent huge pages; the experts are torch
+tensors read in place (on 4 KB pages where THP is "madvise", as on most distributions), unless
+HYBRIDMOE_COPY_EXPERTS=1 has the kernels copy them at load onto huge pages (expert_memory in the JSON).
+
 Reported per (shape, format, T): weight_gbs (bytes of the experts the tokens visit / time), its fraction of the
 measured bandwidth, the fraction of the FMA peak (2*3*H*I*T*K flops / time), and the two speedups. Bandwidth and
 peak are probed before and after the cases; fractions are of the better of the two probes. Where the
@@ -28,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.kernels import _native, formats, isa
+from hybridmoe.kernels import _native, formats, isa, numa
 from hybridmoe.kernels.moe import FusedMoE
 
 SHAPES = {"deepseek-v3": (7168, 2048, 256, 8), "qwen3-30b-a3b": (2048, 768, 128, 8)}  # H, I, E, K
@@ -37,6 +41,8 @@ QUICK_TOKENS = {"deepseek-v3": (1, 4), "qwen3-30b-a3b": (1, 4, 32, 256)}
 FORMATS = ("fp8", "int4", "int8", "bf16")
 INT_GROUP = 32
 BANDWIDTH_BYTES = 1 << 30
+# where the kernels read the experts (numa.topology()["copy_shards"]; HYBRIDMOE_COPY_EXPERTS=1 copies them)
+EXPERT_MEMORY = {False: "read in place", True: "copied at load onto huge pages"}
 DEQUANT_MAX_EXPERTS = {False: 8, True: 2}  # by quick: experts the dequantise baseline times per call, then scales
 
 
@@ -256,8 +262,9 @@ def run(args) -> int:
     # The machine is probed before and after the run; fractions are of the best of the two (a probe that another
     # process disturbed reads low and would flatter every fraction).
     probes = [(measure_bandwidth(args.quick), measure_fma_peak(args.quick))]
+    copied = numa.topology()["copy_shards"]
     print(f"ISA {isa.active_isa()}, {threads} threads; read bandwidth {probes[0][0]:.1f} GB/s (1 GiB, all threads); "
-          f"FMA peak {probes[0][1]:.1f} GFLOP/s; the fused MoE, case by case:")
+          f"FMA peak {probes[0][1]:.1f} GFLOP/s; experts {EXPERT_MEMORY[copied]}; the fused MoE, case by case:")
     results = []
     for name in SHAPES:
         results += bench_shape(name, fmts, args.quick)
@@ -278,6 +285,7 @@ def run(args) -> int:
                   "memory_bandwidth_gbs_probes": [p[0] for p in probes],
                   "peak_fma_gflops_probes": [p[1] for p in probes],
                   "threads": threads, "cpus": os.cpu_count(), "quick": bool(args.quick),
+                  "expert_memory": EXPERT_MEMORY[copied],
                   "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results}
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -4,7 +4,9 @@
 returns at once; `wait(handle)` blocks (without the GIL) and returns [T, H] in hidden's dtype. In between,
 Python is free to run other work (accelerator kernels of another micro-batch). The weights are the caller's
 tensors, used in place (no copy), except that with several real NUMA nodes each node's shard of the
-experts' intermediate dimension is copied once into that node's memory (see hybridmoe.kernels.numa).
+experts' intermediate dimension is copied once into that node's memory, and with HYBRIDMOE_COPY_EXPERTS=1 (one
+node too) the experts are copied once into the kernels' own memory on transparent huge pages (see
+hybridmoe.kernels.numa).
 
 Legend: T tokens, H hidden, K top-k, I expert intermediate, E experts.
 """
@@ -62,8 +64,8 @@ class FusedMoE:
 
     @property
     def owns_weights(self) -> bool:
-        """Every NUMA node computes from its own copy of its shard (several real nodes): the tensors this layer
-        was built from are not referenced, and are freed once the caller drops them."""
+        """Every NUMA node computes from its own copy of its shard (several real nodes, or copies asked for): the
+        tensors this layer was built from are not referenced, and are freed once the caller drops them."""
         return self._native.owns_weights
 
     @property
@@ -71,10 +73,11 @@ class FusedMoE:
         return self._native.num_experts
 
     @property
-    def numa_shards(self) -> list[tuple[int, int, int, bool]]:
+    def numa_shards(self) -> list[tuple[int, int, int, bool, bool]]:
         """Per NUMA node (as configured when this layer was built): (begin, end) of its range of every
         expert's intermediate dimension, bytes of weights, scales and flags copied into its memory (0: the
-        shard is a view of the weights), and whether that memory is bound to the node."""
+        shard is a view of the weights), whether that memory is bound to the node, and whether it is advised
+        for transparent huge pages (copies of 2 MB and more)."""
         return [tuple(s) for s in self._native.numa_shards]
 
     def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

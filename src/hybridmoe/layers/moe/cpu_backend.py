@@ -7,8 +7,9 @@ appended as extra experts that every token visits with weight 1.
 
 Weights stay where the loader put them (zero-copy views of the memory-mapped checkpoint where it has them).
 The only repack is for dense weights whose rows are not contiguous (a transposed view): those are copied
-once, here, and counted in `repacked_bytes`. On several NUMA nodes the kernels copy each node's shard of the
-experts into its memory at load (`numa_copied_bytes`; see hybridmoe.kernels.numa).
+once, here, and counted in `repacked_bytes`. On several NUMA nodes (or with HYBRIDMOE_COPY_EXPERTS=1) the kernels
+copy each node's shard of the experts into its memory, on huge pages, at load (`numa_copied_bytes`; see
+hybridmoe.kernels.numa).
 
 Legend: T tokens, H hidden, K top-k, E routed experts, S shared experts.
 """
@@ -58,7 +59,7 @@ class CpuExpertBackend:
 
     @property
     def numa_copied_bytes(self) -> int:
-        """Bytes copied at load into NUMA nodes' memory (their shards of the experts; 0 on one node)."""
+        """Bytes copied at load into NUMA nodes' memory (their shards of the experts; 0 when read in place)."""
         return sum(shard[2] for shard in self.moe.numa_shards)
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
