@@ -130,13 +130,11 @@ class TrainingBatches:
         return input_ids, weights
 
     def _passkey_example(self, target: int) -> tuple[list[int], list[int]]:
-        """(token ids [BOS, prompt, answer, EOS], target indices of the answer digits). The key has 5 digits, or a
-        number drawn from TRAIN["passkey_key_digits"] (low, high) where a variant sets it."""
+        """(token ids [BOS, prompt, answer, EOS], target indices of the answer digits)."""
         kinds = list(PASSKEY_FILLER_MIX)
         kind = self.rng.choices(kinds, [PASSKEY_FILLER_MIX[k] for k in kinds])[0]
         pool = self.filler_pool if kind == "fortunes" else None
-        key_digits = self.rng.randint(*TRAIN["passkey_key_digits"]) if "passkey_key_digits" in TRAIN else 5
-        example = passkey.make_passkey_example(self.rng, target, self.count_tokens, pool, key_digits)
+        example = passkey.make_passkey_example(self.rng, target, self.count_tokens, pool)
         prompt = self.tokenizer.encode(example.prompt, add_special_tokens=False).ids
         answer = self.tokenizer.encode(example.answer, add_special_tokens=False).ids
         ids = [self.bos, *prompt, *answer, self.eos]
@@ -149,9 +147,6 @@ class TrainingBatches:
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-ROW_KINDS = ("copy", "text", "passkey", "far_copy")  # the mixed stream's row kinds, in a batch's row order
-
-
 class MixedBatches(TrainingBatches):
     """The mixed curriculum: every step is one batch of rows of one width, each row a copy row, a text row or
     a passkey example (kinds drawn per row), so copy practice never runs without text beside it.
@@ -160,15 +155,11 @@ class MixedBatches(TrainingBatches):
       training tokens and the ten digits) repeated to fill the row; loss only on the repeats;
     - text row: packed documents, as in text_batch;
     - passkey row: one example of about the row's width, right-padded, the answer digits carrying half of
-      its loss;
-    - far-copy row: packed text with a random pattern (mixed_far_copy_pattern_tokens long, mostly digits:
-      mixed_far_copy_digit_share) at a random depth and again at the end; the repeat's tokens after its first
-      carry half of the row's loss, the text the other half. Long-range ordered copying, the passkey answer's
-      skill, with a dozen supervised tokens a row instead of five.
+      its loss.
     Until mixed_short_steps every row is mixed_short_width wide (many cheap rows: induction forms on short
     sequences); after that each step's width is log-uniform in [mixed_short_width, passkey_max_tokens] and the
     row count keeps about mixed_tokens_per_step tokens per step. Yields (input_ids, weights, kinds) with kinds
-    one of ROW_KINDS per row.
+    one of "copy", "text", "passkey" per row.
     """
 
     def __init__(self, tokenizer: Tokenizer, documents: dict[str, list[list[int]]], seed: int):
@@ -192,15 +183,13 @@ class MixedBatches(TrainingBatches):
         rows = max(2, round(TRAIN["mixed_tokens_per_step"] / width))
         shares = TRAIN["mixed_row_shares_short" if short else "mixed_row_shares_long"]
         kinds = self.rng.choices(list(shares), list(shares.values()), k=rows)
-        kinds.sort(key=ROW_KINDS.index)
+        kinds.sort(key=["copy", "text", "passkey"].index)
         made = []
         for kind in kinds:
             if kind == "copy":
                 made.append(self._copy_row(width))
             elif kind == "text":
                 made.append(self._text_row(width))
-            elif kind == "far_copy":
-                made.append(self._far_copy_row(width))
             else:
                 made.append(self._passkey_row(width))
         full = max(len(ids) for ids, _ in made)
@@ -211,37 +200,22 @@ class MixedBatches(TrainingBatches):
             weights[row, : len(w)] = torch.tensor(w)
         return input_ids, weights, kinds
 
-    def _pattern(self, length: int, digit_share: float) -> list[int]:
-        return [self.rng.choice(self.digits) if self.rng.random() < digit_share
-                else self.rng.choice(self.copy_vocabulary) for _ in range(length)]
-
     def _copy_row(self, width: int) -> tuple[list[int], list[float]]:
         low, high = TRAIN["mixed_copy_pattern_tokens"]
         length = self.rng.randint(low, min(high, max(low, width // 2)))
-        pattern = self._pattern(length, TRAIN["mixed_copy_digit_share"])
+        digit_share = TRAIN["mixed_copy_digit_share"]
+        pattern = [self.rng.choice(self.digits) if self.rng.random() < digit_share
+                   else self.rng.choice(self.copy_vocabulary) for _ in range(length)]
         body = (pattern * (width // length + 1))[:width]
         ids = [self.bos, *body]
         return ids, [0.0] * length + [1.0] * (width - length)  # weights[t] belongs to ids[t + 1]
 
-    def _text_tokens(self, count: int) -> list[int]:
-        while len(self.buffer) < count:
-            self.buffer.extend(self._next_document())
-        tokens = self.buffer[:count]
-        del self.buffer[:count]
-        return tokens
-
     def _text_row(self, width: int) -> tuple[list[int], list[float]]:
-        return self._text_tokens(width + 1), [1.0] * width
-
-    def _far_copy_row(self, width: int) -> tuple[list[int], list[float]]:
-        low, high = TRAIN["mixed_far_copy_pattern_tokens"]
-        length = self.rng.randint(low, min(high, max(low, width // 4)))
-        pattern = self._pattern(length, TRAIN["mixed_far_copy_digit_share"])
-        filler = self._text_tokens(max(0, width - 2 * length))
-        split = self.rng.randint(0, len(filler))
-        ids = [self.bos, *filler[:split], *pattern, *filler[split:], *pattern]
-        repeat = len(ids) - length  # index in ids of the repeat's first token
-        return ids, answer_half_weights(ids, list(range(repeat, len(ids) - 1)))  # targets ids[repeat + 1:]
+        while len(self.buffer) < width + 1:
+            self.buffer.extend(self._next_document())
+        ids = self.buffer[: width + 1]
+        del self.buffer[: width + 1]
+        return ids, [1.0] * width
 
     def _passkey_row(self, width: int) -> tuple[list[int], list[float]]:
         ids, digits = self._passkey_example(max(TRAIN["passkey_min_tokens"], width - 8))

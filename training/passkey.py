@@ -1,5 +1,4 @@
-"""Synthetic passkey-retrieval examples: a 5-digit number (in training also longer) hidden in filler text,
-asked for at the end.
+"""Synthetic passkey-retrieval examples: a 5-digit number hidden in filler text, asked for at the end.
 
 The format follows the passkey test of Mohtashami & Jaggi (Landmark Attention, 2023). Filler is either the
 classic repeated sentences or real fortune-cookie text without digits. Lengths are counted in tokens of the
@@ -37,10 +36,9 @@ def filler_sentences_from_fortunes(fortunes: dict[str, list[str]]) -> list[str]:
 
 
 def make_passkey_example(rng: random.Random, target_tokens: int, count_tokens: Callable[[str], int],
-                         filler_pool: list[str] | None = None, key_digits: int = 5) -> PasskeyExample:
-    """An example of about `target_tokens` tokens (prompt only). filler_pool None = the classic filler.
-    Evaluation keys have 5 digits; training may use longer ones (more answer digits to learn from)."""
-    key = str(rng.randint(10 ** (key_digits - 1), 10 ** key_digits - 1))
+                         filler_pool: list[str] | None = None) -> PasskeyExample:
+    """An example of about `target_tokens` tokens (prompt only). filler_pool None = the classic filler."""
+    key = str(rng.randint(10000, 99999))
     needle = NEEDLE.format(key=key)
     fixed = count_tokens(f"{INTRO}\n{needle}\n{QUESTION}") + 4  # + BOS and the joining newlines
     budget = max(0, target_tokens - fixed)

@@ -176,31 +176,6 @@ VARIANTS["passkey_long_text"] = dict(
 )
 
 
-# Long-range ordered copying on top of passkey_long_text (its final weights, fresh optimiser). Its passkey misses at
-# 1K are the needle's own digits in the wrong order (83917 -> 87777, 61579 -> 65975): the needle is found, the
-# digit that follows the one just written is not. Far-copy rows (data_stream.MixedBatches) train exactly that
-# step, a dozen supervised tokens a row where a passkey row has five, beside text rows that keep the prose.
-VARIANTS["far_copy"] = dict(
-    model=VARIANTS["passkey_long_text"]["model"],
-    train={**VARIANTS["passkey_long"]["train"], "init_from": "passkey_long_text", "stream_seed": SEED + 5,
-           "steps": 2400, "lr": 6e-4, "warmup_steps": 50,
-           "mixed_far_copy_pattern_tokens": (6, 24), "mixed_far_copy_digit_share": 0.7,
-           "mixed_row_shares_long": {"text": 0.4, "passkey": 0.3, "far_copy": 0.3}},
-)
-
-
-# Longer keys on top of passkey_long_text (its final weights, fresh optimiser): its passkey misses at 1K are the
-# needle's own digits in the wrong order, and a 5-digit key teaches the ordered copy only four times an example.
-# Keys of 5-16 digits in the same needle and question (evaluation keeps 5 digits), half the rows passkey
-# examples, widths up to 2.1K, half the rate of passkey_long.
-VARIANTS["passkey_long_keys"] = dict(
-    model=VARIANTS["passkey_long_text"]["model"],
-    train={**VARIANTS["passkey_long"]["train"], "init_from": "passkey_long_text", "stream_seed": SEED + 6,
-           "steps": 2000, "lr": 4e-4, "warmup_steps": 50, "passkey_key_digits": (5, 16),
-           "mixed_row_shares_long": {"text": 0.5, "passkey": 0.5}},
-)
-
-
 # Long rows only, on top of passkey_long_text (its final weights, fresh optimiser): every row 768-2,100 tokens wide
 # (passkey_long's were 256-2,100, so most needles sat a few hundred tokens from their question), half of them
 # passkey examples, at passkey_long_text's low rate.

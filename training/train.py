@@ -179,7 +179,7 @@ def main() -> None:
 
     model.train()
     started = time.time()
-    window = {"text": [], "copy": [], "passkey": [], "answer": [], "far_copy": [], "repeat": []}
+    window = {"text": [], "copy": [], "passkey": [], "answer": []}
     for step in range(start_step, min(args.steps, args.stop_after or args.steps)):
         batch = next(batches)
         kinds = batch[2] if len(batch) == 3 else None  # the mixed stream names each row's kind
@@ -194,15 +194,14 @@ def main() -> None:
         imbalance = balancer.update()
         tokens_seen += int((weights > 0).sum())
         if kinds is not None:
-            for kind in data_stream.ROW_KINDS:
+            for kind in ("text", "copy", "passkey"):
                 rows = torch.tensor([k == kind for k in kinds], device=device)
                 if rows.any():
                     picked = weights[rows] > 0
                     window[kind].append(token_loss[rows][picked].mean().item())
-                    if kind in ("passkey", "far_copy"):  # their answer digits / repeated pattern weigh > 1
-                        answer = weights[rows] > 1
-                        window["answer" if kind == "passkey" else "repeat"].append(
-                            token_loss[rows][answer].mean().item())
+            answer = weights > 1  # passkey answer digits
+            if answer.any():
+                window["answer"].append(token_loss[answer].mean().item())
         elif (weights > 1).any():  # passkey examples
             window["passkey"].append(token_loss[weights > 0].mean().item())
             window["answer"].append(token_loss[weights > 1].mean().item())
@@ -212,7 +211,7 @@ def main() -> None:
             elapsed = time.time() - started
             mean = {k: sum(v) / len(v) if v else float("nan") for k, v in window.items()}
             print(f"step {step + 1:5d}  text {mean['text']:.3f}  copy {mean['copy']:.3f}  passkey {mean['passkey']:.3f}  "
-                  f"answer {mean['answer']:.3f}  far repeat {mean['repeat']:.3f}  lr {learning_rate(step, args.steps):.2e}  "
+                  f"answer {mean['answer']:.3f}  lr {learning_rate(step, args.steps):.2e}  "
                   f"load max/mean {imbalance:.2f}  tokens {tokens_seen:,}  {elapsed:.0f}s", flush=True)
             window = {k: [] for k in window}
         if (step + 1) % TRAIN["checkpoint_every"] == 0 or step + 1 in (args.steps, args.stop_after):
