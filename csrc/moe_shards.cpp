@@ -4,9 +4,10 @@
 #include <cstring>
 #include <map>
 #include <numeric>
-#include <tuple>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 namespace hm {
 
@@ -172,20 +173,23 @@ ShardedExperts shard_experts(const std::vector<ExpertMatrices>& experts, I64 int
       // A matrix given for several experts (the same memory, scales and shape) is copied once and shared again.
       using Key = std::tuple<const uint8_t*, const void*, I64, I64, I64>;
       auto key = [](const Matrix& m) { return Key{m.data, m.scales, m.rows, m.cols, m.row_bytes}; };
-      std::map<Key, Matrix> copies;
+      std::set<Key> distinct;
       I64 bytes = 0;
       for (const ExpertMatrices& e : shard.experts)
         for (const Matrix* m : {&e.gate, &e.up, &e.down})
-          if (copies.emplace(key(*m), *m).second) bytes += copy_bytes(*m);
+          if (distinct.insert(key(*m)).second) bytes += copy_bytes(*m);
       out.memory.push_back(std::make_unique<NodeMemory>(static_cast<size_t>(bytes), topology.memory_node[n]));
       uint8_t* dst = out.memory.back()->data();
-      for (auto& [_, m] : copies) {
-        const I64 b = copy_bytes(m);
-        m = copy_matrix(m, dst);
-        dst += b;
-      }
+      std::map<Key, Matrix> copies;  // in expert order, so that each expert's matrices lie together
       for (ExpertMatrices& e : shard.experts)
-        for (Matrix* m : {&e.gate, &e.up, &e.down}) *m = copies.at(key(*m));
+        for (Matrix* m : {&e.gate, &e.up, &e.down}) {
+          const auto [it, first] = copies.emplace(key(*m), *m);
+          if (first) {
+            it->second = copy_matrix(*m, dst);
+            dst += copy_bytes(*m);
+          }
+          *m = it->second;
+        }
       shard.copied_bytes = static_cast<size_t>(bytes);
       shard.bound = out.memory.back()->bound();
       shard.huge_pages = out.memory.back()->huge_pages();

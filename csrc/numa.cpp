@@ -28,7 +28,8 @@ int NumaTopology::total_cpus() const {
 
 std::string NumaTopology::describe() const {
   std::string s = std::to_string(num_nodes()) + (num_nodes() == 1 ? " node" : " nodes") +
-                  (emulated ? " (emulated)" : " (detected)") + (copy_shards ? ", experts copied at load into huge-page node memory" : "");
+                  (emulated ? " (emulated)" : " (detected)") +
+                  (copy_shards ? ", experts copied at load into huge-page node memory" : "");
   for (int n = 0; n < num_nodes(); ++n)
     s += "; node " + std::to_string(n) + " cpus " + format_cpulist(node_cpus[n]) + " memory " +
          (memory_node[n] >= 0 ? std::to_string(memory_node[n]) : std::string("unbound"));
