@@ -176,14 +176,23 @@ VARIANTS["passkey_long_text"] = dict(
 )
 
 
-# Long rows only, on top of passkey_long_text (its final weights, fresh optimiser): every row 768-2,100 tokens wide
-# (passkey_long's were 256-2,100, so most needles sat a few hundred tokens from their question), half of them
-# passkey examples, at passkey_long_text's low rate.
+# Tried, not shipped (MODEL_CARD.md, "A fifth round"): long rows only, on top of passkey_long_text (its final weights,
+# fresh optimiser): every row 768-2,100 tokens wide (passkey_long's were 256-2,100, so most needles sat a few
+# hundred tokens from their question), half of them passkey examples, at passkey_long_text's low rate.
 VARIANTS["passkey_long_wide"] = dict(
     model=VARIANTS["passkey_long_text"]["model"],
     train={**VARIANTS["passkey_long"]["train"], "init_from": "passkey_long_text", "stream_seed": SEED + 7,
            "steps": 1800, "lr": 3e-4, "warmup_steps": 50, "mixed_short_width": 768,
            "mixed_row_shares_long": {"text": 0.5, "passkey": 0.5}},
+)
+
+
+# Tried, not shipped: a text-heavy cool-down of passkey_long_wide (its final weights, fresh optimiser), as
+# passkey_long_text was of passkey_long: passkey_long_wide's greedy text falls into the passkey prompt's wording.
+VARIANTS["passkey_long_wide_text"] = dict(
+    model=VARIANTS["passkey_long_wide"]["model"],
+    train={**VARIANTS["passkey_long_wide"]["train"], "init_from": "passkey_long_wide", "stream_seed": SEED + 8,
+           "steps": 300, "lr": 3e-4, "warmup_steps": 20, "mixed_row_shares_long": {"text": 0.85, "passkey": 0.15}},
 )
 
 
