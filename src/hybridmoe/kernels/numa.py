@@ -6,7 +6,7 @@ columns of its range only, and the N partial [T, H] outputs are summed. No weigh
 with several real nodes each shard is copied once at load into memory bound to its node, and the layer lets go
 of the original tensors (FusedMoE.owns_weights); with one node, or emulated nodes, shards are views of the weights.
 The copies are 2 MB-aligned and advised for transparent huge pages (one TLB entry per 2 MB of streamed weights:
-+4-8% decode bandwidth measured on the 1-node development machine). HYBRIDMOE_COPY_EXPERTS=1 asks for them on
+0-8% more decode bandwidth measured on the 1-node development machine). HYBRIDMOE_COPY_EXPERTS=1 asks for them on
 one node too (the experts whole: zero-copy from the checkpoint traded for huge pages), =0 turns them off.
 Each node's work buffers (intermediate activations, partial outputs) are bound to its memory too.
 
