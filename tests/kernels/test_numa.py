@@ -178,18 +178,20 @@ def test_a_single_overridden_node_pins_its_threads_to_its_cpus():
     assert isa.thread_cpus() == [] or len(numa.topology()["nodes"]) > 1  # detected one node: threads run free
 
 
+def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter with `env` added to this environment (variables read at the pool's first use)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, **env), timeout=120)
+
+
 def test_bad_numa_nodes_in_the_environment_are_a_clear_error():
-    env = dict(os.environ, HYBRIDMOE_NUMA_NODES="0;1000")
-    result = subprocess.run([sys.executable, "-c", "from hybridmoe.kernels import numa; numa.topology()"],
-                            capture_output=True, text=True, env=env, timeout=120)
+    result = _run_python("from hybridmoe.kernels import numa; numa.topology()", HYBRIDMOE_NUMA_NODES="0;1000")
     assert result.returncode != 0
     assert "NUMA node 1: CPU 1000 is not available to this process" in result.stderr
 
 
 def test_info_prints_the_numa_layout_from_the_environment():
-    env = dict(os.environ, HYBRIDMOE_NUMA_NODES="0;0-1")
-    result = subprocess.run([sys.executable, "-c", "from hybridmoe.cli import main; main(['info'])"],
-                            capture_output=True, text=True, env=env, timeout=120)
+    result = _run_python("from hybridmoe.cli import main; main(['info'])", HYBRIDMOE_NUMA_NODES="0;0-1")
     assert result.returncode == 0, result.stderr
     assert "NUMA layout: 2 nodes (emulated); node 0 cpus 0 memory unbound; node 1 cpus 0-1" in result.stdout
     assert "threads per node: node 0: 1, node 1: 2" in result.stdout
@@ -228,16 +230,13 @@ def test_copy_experts_from_the_environment(value, copies):
             "from hybridmoe.kernels import numa; from hybridmoe.kernels.moe import FusedMoE; "
             "kw, _ = random_experts('int4', 4, 256, 256, torch.Generator().manual_seed(0)); "
             "print(numa.topology()['copy_shards'], FusedMoE(**kw).owns_weights)")
-    env = dict(os.environ, HYBRIDMOE_COPY_EXPERTS=value)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    result = _run_python(code, HYBRIDMOE_COPY_EXPERTS=value)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(copies), str(copies)]
 
 
 def test_bad_copy_experts_value_is_a_clear_error():
-    env = dict(os.environ, HYBRIDMOE_COPY_EXPERTS="yes")
-    result = subprocess.run([sys.executable, "-c", "from hybridmoe.kernels import numa; numa.topology()"],
-                            capture_output=True, text=True, env=env, timeout=120)
+    result = _run_python("from hybridmoe.kernels import numa; numa.topology()", HYBRIDMOE_COPY_EXPERTS="yes")
     assert result.returncode != 0
     assert 'HYBRIDMOE_COPY_EXPERTS must be 0 (experts read in place) or 1' in result.stderr
 
