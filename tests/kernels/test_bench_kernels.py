@@ -26,6 +26,14 @@ def test_bench_writes_the_report(tmp_path, monkeypatch):
         for key in ("shape", "weight_gbs", "bandwidth_fraction", "speedup_vs_bf16_torch", "speedup_vs_dequant_torch"):
             assert key in row
         assert row["weight_gbs"] > 0 and row["speedup_vs_bf16_torch"] > 0
+        # fractions are of the case's own probes (taken beside it), which the run's best probe bounds
+        assert row["bandwidth_fraction"] == pytest.approx(row["weight_gbs"] / row["probe_gbs"])
+        assert row["flops_fraction"] == pytest.approx(row["gflops"] / row["probe_gflops"])
+        assert 0 < row["probe_gbs"] <= report["memory_bandwidth_gbs"]
+        assert row["bandwidth_fraction_of_best"] == pytest.approx(row["weight_gbs"] / report["memory_bandwidth_gbs"])
+    # the opening and closing probes, and per format one before its first case and one after each case
+    assert len(report["memory_bandwidth_gbs_probes"]) == 2 + 3 * (1 + 2)
+    assert report["memory_bandwidth_gbs"] == max(report["memory_bandwidth_gbs_probes"])
 
 
 def test_unknown_formats_are_refused():

@@ -12,10 +12,13 @@ tensors read in place (on 4 KB pages where THP is "madvise", as on most distribu
 HYBRIDMOE_COPY_EXPERTS=1 has the kernels copy them at load onto huge pages (expert_memory in the JSON).
 
 Reported per (shape, format, T): weight_gbs (bytes of the experts the tokens visit / time), its fraction of the
-measured bandwidth, the fraction of the FMA peak (2*3*H*I*T*K flops / time), and the two speedups. Bandwidth and
-peak are probed before and after the cases; fractions are of the better of the two probes. Where the
-dequantise baseline would take too long (many active experts), it is timed on the first experts and scaled to
-all of them (dequant_torch_estimated: true).
+measured bandwidth, the fraction of the FMA peak (2*3*H*I*T*K flops / time), and the two speedups. The host's
+bandwidth and FMA rate drift (a shared VM: 15-29 GB/s within an hour), so each case is measured side by side
+with its own probes, right before and right after its timed calls, and its fractions are of the better of those
+two (probe_gbs, probe_gflops); the run's memory_bandwidth_gbs and peak_fma_gflops are the best of all probes,
+and bandwidth_fraction_of_best / flops_fraction_of_best give the fractions of those. Where the dequantise
+baseline would take too long (many active experts), it is timed on the first experts and scaled to all of them
+(dequant_torch_estimated: true).
 
 Legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, D distinct expert weights in the pool.
 """
@@ -178,18 +181,31 @@ def _torch_moe(expert_weights, hidden, ids, weights, limit: int | None = None) -
 
 # ---- the run ---------------------------------------------------------------------------------------------
 
-def measure_bandwidth(quick: bool) -> float:
-    """Read bandwidth GB/s over 1 GiB on the kernels' threads (best of a few passes)."""
-    buffer = np.ones(BANDWIDTH_BYTES // 8, dtype=np.uint64)
-    return _native.measure_read_bandwidth(buffer, 3 if quick else 6) / 1e9
+class MachineProbe:
+    """This machine's read bandwidth (GB/s over 1 GiB, the kernels' threads, best of a few passes) and FMA peak
+    (GFLOP/s of register-only FMA chains, active ISA); every measurement is kept, so that the run can report
+    the best of them."""
+
+    def __init__(self):
+        self.buffer = np.ones(BANDWIDTH_BYTES // 8, dtype=np.uint64)
+        self.bandwidths: list[float] = []
+        self.peaks: list[float] = []
+
+    def measure(self, passes: int, fma_seconds: float) -> tuple[float, float]:
+        self.bandwidths.append(_native.measure_read_bandwidth(self.buffer, passes) / 1e9)
+        self.peaks.append(_native.measure_fma_peak(fma_seconds) / 1e9)
+        return self.bandwidths[-1], self.peaks[-1]
+
+    def full(self, quick: bool) -> tuple[float, float]:
+        """The thorough probe that opens and closes a run."""
+        return self.measure(3 if quick else 6, 0.2 if quick else 0.5)
+
+    def beside(self) -> tuple[float, float]:
+        """The short probe taken right before and right after each case (about 0.15 s)."""
+        return self.measure(2, 0.05)
 
 
-def measure_fma_peak(quick: bool) -> float:
-    """GFLOP/s of register-only FMA chains on the kernels' threads (active ISA)."""
-    return _native.measure_fma_peak(0.2 if quick else 0.5) / 1e9
-
-
-def bench_shape(name: str, fmts: list[str], quick: bool, log=print) -> list[dict]:
+def bench_shape(name: str, fmts: list[str], quick: bool, probe: MachineProbe, log=print) -> list[dict]:
     hidden, inter, num_experts, top_k = SHAPES[name]
     tokens_list = QUICK_TOKENS[name] if quick else TOKENS
     pool_bytes = (256 if quick else 1024) << 20
@@ -206,8 +222,13 @@ def bench_shape(name: str, fmts: list[str], quick: bool, log=print) -> list[dict
     for fmt in fmts:
         pool = bf16_pool if fmt == "bf16" else ExpertPool(fmt, hidden, inter, num_experts, pool_bytes, source)
         # the kernels first, then torch: torch's OpenMP threads keep spinning a while after each call
-        kernel_seconds = {t: _median_time(lambda h, i, w: pool.moe(h, i, w), routing[t], hid[t])
-                          for t in tokens_list}
+        # each case between two probes (one case's probe after is the next one's before)
+        kernel_seconds, probes, before = {}, {}, probe.beside()
+        for t in tokens_list:
+            kernel_seconds[t] = _median_time(lambda h, i, w: pool.moe(h, i, w), routing[t], hid[t])
+            after = probe.beside()
+            probes[t] = (max(before[0], after[0]), max(before[1], after[1]))
+            before = after
         for t in tokens_list:
             seconds = kernel_seconds[t]
             active = float(np.mean([ids.unique().numel() for ids, _ in routing[t][1:]]))
@@ -217,9 +238,13 @@ def bench_shape(name: str, fmts: list[str], quick: bool, log=print) -> list[dict
             row = {"shape": name, "format": fmt, "tokens": t, "ms": seconds * 1e3, "weight_gbs": gbs,
                    "gflops": flops_per_pair * t * top_k / seconds / 1e9,
                    "speedup_vs_bf16_torch": torch_bf16[t] / seconds, "speedup_vs_dequant_torch": dequant / seconds,
-                   "dequant_torch_estimated": estimated, "distinct_experts": pool.distinct}
+                   "dequant_torch_estimated": estimated, "distinct_experts": pool.distinct,
+                   "probe_gbs": probes[t][0], "probe_gflops": probes[t][1]}
+            row["bandwidth_fraction"] = gbs / probes[t][0]
+            row["flops_fraction"] = row["gflops"] / probes[t][1]
             results.append(row)
-            log(f"  {name} {fmt} T={t}: {row['ms']:.2f} ms, {gbs:.1f} GB/s of weights, {row['gflops']:.1f} GFLOP/s")
+            log(f"  {name} {fmt} T={t}: {row['ms']:.2f} ms, {gbs:.1f} GB/s of weights ({row['bandwidth_fraction']:.2f} "
+                f"of {probes[t][0]:.1f}), {row['gflops']:.1f} GFLOP/s ({row['flops_fraction']:.2f} of {probes[t][1]:.0f})")
         if pool is not bf16_pool:
             del pool
     return results
@@ -240,14 +265,15 @@ def _dequant_time(pool: ExpertPool, routings, hidden, same_as: float | None, max
     return float(np.median(times)), estimated
 
 
-HEADER = (f"{'shape':14s} {'format':6s} {'T':>4s} {'ms':>9s} {'weights GB/s':>12s} {'of bw':>6s} "
-          f"{'of FMA peak':>11s} {'vs torch bf16':>13s} {'vs dequant':>10s}")
+HEADER = (f"{'shape':14s} {'format':6s} {'T':>4s} {'ms':>9s} {'weights GB/s':>12s} {'probe GB/s':>10s} {'of bw':>6s} "
+          f"{'probe GFLOP/s':>13s} {'of FMA peak':>11s} {'vs torch bf16':>13s} {'vs dequant':>10s}")
 
 
 def _format_row(r: dict) -> str:
     est = "~" if r["dequant_torch_estimated"] else " "
     return (f"{r['shape']:14s} {r['format']:6s} {r['tokens']:4d} {r['ms']:9.2f} {r['weight_gbs']:12.1f} "
-            f"{r['bandwidth_fraction']:6.2f} {r['flops_fraction']:11.2f} {r['speedup_vs_bf16_torch']:12.2f}x "
+            f"{r['probe_gbs']:10.1f} {r['bandwidth_fraction']:6.2f} {r['probe_gflops']:13.0f} "
+            f"{r['flops_fraction']:11.2f} {r['speedup_vs_bf16_torch']:12.2f}x "
             f"{est}{r['speedup_vs_dequant_torch']:8.1f}x")
 
 
@@ -259,22 +285,23 @@ def run(args) -> int:
     threads = isa.num_threads()
     torch.set_num_threads(threads)
     started = time.perf_counter()
-    # The machine is probed before and after the run; fractions are of the best of the two (a probe that another
-    # process disturbed reads low and would flatter every fraction).
-    probes = [(measure_bandwidth(args.quick), measure_fma_peak(args.quick))]
+    probe = MachineProbe()
+    opening = probe.full(args.quick)
     copied = numa.topology()["copy_shards"]
-    print(f"ISA {isa.active_isa()}, {threads} threads; read bandwidth {probes[0][0]:.1f} GB/s (1 GiB, all threads); "
-          f"FMA peak {probes[0][1]:.1f} GFLOP/s; experts {EXPERT_MEMORY[copied]}; the fused MoE, case by case:")
+    print(f"ISA {isa.active_isa()}, {threads} threads; read bandwidth {opening[0]:.1f} GB/s (1 GiB, all threads); "
+          f"FMA peak {opening[1]:.1f} GFLOP/s; experts {EXPERT_MEMORY[copied]}; the fused MoE, case by case:")
     results = []
     for name in SHAPES:
-        results += bench_shape(name, fmts, args.quick)
-    probes.append((measure_bandwidth(args.quick), measure_fma_peak(args.quick)))
-    bandwidth, peak = max(p[0] for p in probes), max(p[1] for p in probes)
+        results += bench_shape(name, fmts, args.quick, probe)
+    closing = probe.full(args.quick)
+    bandwidth, peak = max(probe.bandwidths), max(probe.peaks)
     for row in results:
-        row["bandwidth_fraction"] = row["weight_gbs"] / bandwidth
-        row["flops_fraction"] = row["gflops"] / peak
-    print(f"measured again after the run: {probes[1][0]:.1f} GB/s, FMA {probes[1][1]:.1f} GFLOP/s; fractions below "
-          f"are of the better probes, {bandwidth:.1f} GB/s and {peak:.1f} GFLOP/s")
+        row["bandwidth_fraction_of_best"] = row["weight_gbs"] / bandwidth
+        row["flops_fraction_of_best"] = row["gflops"] / peak
+    print(f"measured again after the run: {closing[0]:.1f} GB/s, FMA {closing[1]:.1f} GFLOP/s; over the run's "
+          f"{len(probe.bandwidths)} probes {min(probe.bandwidths):.1f}-{bandwidth:.1f} GB/s and "
+          f"{min(probe.peaks):.0f}-{peak:.0f} GFLOP/s. Fractions are of each case's own probes (probe columns), "
+          f"measured right before and after it")
     print(HEADER)
     for row in results:
         print(_format_row(row))
@@ -282,8 +309,7 @@ def run(args) -> int:
           f"{time.perf_counter() - started:.0f} s)")
     if args.json:
         report = {"memory_bandwidth_gbs": bandwidth, "peak_fma_gflops": peak, "isa": isa.active_isa(),
-                  "memory_bandwidth_gbs_probes": [p[0] for p in probes],
-                  "peak_fma_gflops_probes": [p[1] for p in probes],
+                  "memory_bandwidth_gbs_probes": probe.bandwidths, "peak_fma_gflops_probes": probe.peaks,
                   "threads": threads, "cpus": os.cpu_count(), "quick": bool(args.quick),
                   "expert_memory": EXPERT_MEMORY[copied],
                   "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results}
