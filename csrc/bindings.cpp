@@ -338,6 +338,8 @@ NB_MODULE(_native, mod) {
       .def_prop_ro("rows", [](const PyMatrix& p) { return p.m.rows; })
       .def_prop_ro("cols", [](const PyMatrix& p) { return p.m.cols; })
       .def_prop_ro("padded_cols", [](const PyMatrix& p) { return p.m.padded_cols; })
+      .def_prop_ro("gemm_min_tokens", [](const PyMatrix& p) { return gemm_min_tokens(p.m.fmt); },
+                   "Tokens from which path='auto' takes the GEMM path (fewer: the GEMV path).")
       .def_prop_ro("flag_bytes", [](const PyMatrix& p) { return p.row_flags ? p.row_flags->size() : size_t{0}; },
                    "fp8: bytes of the per-row NaN / per-block subnormal flags made at load")
       .def_prop_ro("nan_rows", [](const PyMatrix& p) {

@@ -69,14 +69,19 @@ static inline const float* qsum_row(const Activations& a, int64_t m) { return a.
 
 enum class MatmulPath : int { Auto = 0, Gemv = 1, Gemm = 2 };
 
-// Tokens per expert from which the tiled GEMM path (K blocked for the caches) replaces the GEMV path: 13 for
-// fp8, whose GEMV decodes in 3 operations with the block scales folded into the activations and measured as
-// fast as the GEMM panels up to 12-16 tokens; 8 for the other formats.
-constexpr int64_t kGemmMinTokens = 8;
+// Tokens per expert from which the tiled GEMM path (K blocked for the caches) replaces the GEMV path (whole rows,
+// the next rows prefetched), by format, where the GEMM path measured faster at DeepSeek-V3 and Qwen3-30B-A3B
+// expert shapes (AVX2 on Zen 4; docs/kernels.md): fp8 from 13-16 tokens (its GEMV decodes each weight again
+// for every 3 tokens, 3 operations a vector); the other float formats (decode: one shift) from 64-128; the int
+// formats (int8 dot products on whole rows against K chunks of 1,024) from 128-256 or more.
 constexpr int64_t kGemmMinTokensFp8 = 13;
-constexpr int64_t kMaxGemvTokens = kGemmMinTokensFp8 - 1;  // the most tokens the GEMV path takes
+constexpr int64_t kGemmMinTokensFloat = 64;
+constexpr int64_t kGemmMinTokensInt = 192;
+constexpr int64_t kMaxGemvTokens = kGemmMinTokensFloat - 1;  // the most tokens the float GEMV path takes
 
-static inline int64_t gemm_min_tokens(WFormat f) { return f == WFormat::FP8 ? kGemmMinTokensFp8 : kGemmMinTokens; }
+static inline int64_t gemm_min_tokens(WFormat f) {
+  return f == WFormat::FP8 ? kGemmMinTokensFp8 : is_int_format(f) ? kGemmMinTokensInt : kGemmMinTokensFloat;
+}
 
 // Whether `tokens` tokens of one expert take the GEMM path for weights in format f.
 static inline bool use_gemm(MatmulPath path, int64_t tokens, WFormat f) {

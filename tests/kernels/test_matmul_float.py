@@ -9,12 +9,12 @@ import torch
 from hybridmoe.kernels import reference
 from hybridmoe.kernels.moe import matmul
 from hybridmoe.kernels.weights import kernel_matrix
-from kernel_testing import random_fp8, seed
+from kernel_testing import random_fp8, random_int, seed
 
 SHAPES = [(1, 1), (5, 7), (37, 100), (64, 256), (131, 300)]  # (N rows, K cols)
 # GEMV token tiles of 3, 2 and 1 (3+2, 3+3, 3+2+2); GEMM token blocks of 3 vectors (24 AVX2, 48 AVX-512): 1-3
-# vectors, then more blocks
-TOKENS = [1, 2, 3, 5, 6, 7, 9, 17, 24, 40, 57]
+# vectors, then more blocks; 70: more than the float GEMV path takes (63), so a forced "gemv" runs the GEMM
+TOKENS = [1, 2, 3, 5, 6, 7, 9, 17, 24, 40, 57, 70]
 
 
 def _check(out: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, rtol: float = 3e-6) -> None:
@@ -143,3 +143,23 @@ def test_bad_inputs_are_clear_errors():
         kernel_matrix("fp8", q, s, block=(128, 100))
     with pytest.raises(ValueError, match="unknown weight format"):
         kernel_matrix("fp4", q)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "bf16", "f32", "int4", "int8"])
+def test_auto_path_switches_to_gemm_at_the_format_threshold(each_isa, fmt):
+    """path='auto' runs the GEMV path below m.gemm_min_tokens tokens and the GEMM path from it on: bit for bit
+    the forced path's result (the two paths sum in different orders)."""
+    gen = torch.Generator().manual_seed(seed(fmt, "auto", each_isa))
+    rows, cols = 20, 300
+    if fmt == "fp8":
+        m = kernel_matrix("fp8", *random_fp8(rows, cols, (128, 128), gen))
+    elif fmt in ("int4", "int8"):
+        m = kernel_matrix(fmt, *random_int(fmt, rows, cols, 32, torch.bfloat16, gen), cols=cols)
+    else:
+        dtype = torch.float32 if fmt == "f32" else torch.bfloat16
+        m = kernel_matrix(fmt, torch.randn(rows, cols, generator=gen).to(dtype))
+    threshold = m.gemm_min_tokens
+    assert threshold == {"fp8": 13, "int4": 192, "int8": 192}.get(fmt, 64)
+    for tokens, path in [(threshold - 1, "gemv"), (threshold, "gemm")]:
+        x = torch.randn(tokens, cols, generator=gen)
+        assert torch.equal(matmul(m, x, "auto"), matmul(m, x, path)), f"{tokens} tokens"

@@ -39,7 +39,7 @@ def _emulated_nodes(n: int) -> list[list[int]]:
 
 
 def _batches(gen: torch.Generator):
-    for tokens in (1, 5, 40):  # 40 tokens x 2 of 5 experts: the GEMM path
+    for tokens in (1, 5, 40, 500):  # 2 of 5 experts: 16 / 200 tokens an expert, the GEMM path of fp8 / of all
         yield (torch.randn(tokens, H, generator=gen),) + random_routing(tokens, K, E, gen)
 
 
