@@ -7,12 +7,6 @@
 
 namespace hm {
 namespace {
-// 16 bytes of int4 pairs -> 32 unsigned values 0..15 in element order (byte j: element j low, j+16 high).
-inline __m256i unpack_u4(const uint8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
-}
-
 inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -75,7 +69,8 @@ inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I6
       __m256i acci[R][MT], acc16[R][MT];
       for (int i = 0; i < R; ++i)
         for (int j = 0; j < MT; ++j) acci[i][j] = acc16[i][j] = _mm256_setzero_si256();
-      constexpr bool kWideInt4 = F == WFormat::INT4 && kChunks % 2 == 0;
+      constexpr bool kWideInt4 = F == WFormat::INT4;  // group 128 here; group 32 takes matmul_int4_g32
+      static_assert(!kWideInt4 || kChunks % 2 == 0, "int4 groups of 32 take matmul_int4_g32");
       if constexpr (kWideInt4)  // two chunks (64 elements) a step: one 32-byte load a row, no cross-lane unpack
         for (int c = 0; c < kChunks; c += 2) {
           const I64 e = e0 + c * 32;
@@ -100,16 +95,10 @@ inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I6
         const I64 e = e0 + c * 32;
         if (next) prefetch_bytes<R * kChunkBytes>(next + e / 32 * R * kChunkBytes);
         __m256i wv[R];
-        for (int i = 0; i < R; ++i) {
-          if constexpr (F == WFormat::INT4) wv[i] = unpack_u4(rowp[i] + e / 2);
-          else wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rowp[i] + e));
-        }
+        for (int i = 0; i < R; ++i) wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rowp[i] + e));
         for (int j = 0; j < MT; ++j) {
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + e));
-          for (int i = 0; i < R; ++i) {
-            if constexpr (F == WFormat::INT4) add_u4<V>(acc16[i][j], acci[i][j], wv[i], xv);
-            else acci[i][j] = V::dot_i8(acci[i][j], wv[i], xv);
-          }
+          for (int i = 0; i < R; ++i) acci[i][j] = V::dot_i8(acci[i][j], wv[i], xv);
         }
       }
       if constexpr (kPairs16)
@@ -123,6 +112,190 @@ inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I6
   }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < MT; ++j) out[i][j] = hsum256(accf[i][j]) - kOffset * hsum256(corr[i][j]);
+}
+
+// ---- int4, group 32: eight groups a step ---------------------------------------------------------------------
+// Each 32-byte load of a row holds two groups (lane 0: group 2p, lane 1: 2p + 1), unpacked as in the wide path,
+// so that the int16 pair sums of one pair of groups' dot products form one vector (lanes 0-7 group 2p, 8-15
+// group 2p + 1). Four such vectors (eight groups, an "oct") fold by three horizontal adds and one madd into the
+// eight groups' int32 sums in the order [0, 2, 4, 6, 1, 3, 5, 7] (each int16 lane then sums 16 products of at
+// most 15 x 127: 30,480 < 2^15; with VNNI, dpbusd int32 sums and int32 horizontal adds). The scales follow that
+// order: the weights' eight are shuffled into it in registers, the tokens' and their unsigned-offset correction
+// (-8 qsum) are prepared once per call (oct_tables). Per oct, row and token: 8 maddubs, 4 adds, 3 horizontal
+// adds, a madd, a convert, a multiply and two FMAs, against a scalar multiply-add a group before.
+constexpr I64 kOctFloats = 16;  // per token and oct: its activation scales, then -8 qsum, in the order above
+
+// The group order of an oct's sums.
+constexpr int kOctOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+// tables[m * octs * 16 + o * 16 + (0..15)] for M tokens; groups past the row's are 0.
+inline float* oct_tables(const Activations& x, I64 groups) {
+  const I64 octs = (groups + 7) / 8;
+  float* tables = scratch_floats(x.m * octs * kOctFloats);
+  for (I64 m = 0; m < x.m; ++m) {
+    const float* xs = qscale_row(x, m);
+    const float* xsum = qsum_row(x, m);
+    float* t = tables + m * octs * kOctFloats;
+    for (I64 o = 0; o < octs; ++o, t += kOctFloats)
+      for (int l = 0; l < 8; ++l) {
+        const I64 g = 8 * o + kOctOrder[l];
+        t[l] = g < groups ? xs[g] : 0.0f;
+        t[8 + l] = g < groups ? -8.0f * xsum[g] : 0.0f;
+      }
+  }
+  return tables;
+}
+
+// A row's eight group scales at p -> floats in the oct order.
+template <ScaleType ST>
+inline __m256 oct_weight_scales(const uint16_t* p) {
+  const __m128i v = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)),
+                                     _mm_set_epi8(15, 14, 11, 10, 7, 6, 3, 2, 13, 12, 9, 8, 5, 4, 1, 0));
+  if constexpr (ST == ScaleType::BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  else return _mm256_cvtph_ps(v);
+}
+
+// The dot products of one pair of groups (lo / hi: the row's unpacked 32 bytes; xlo / xhi: the token's 64
+// activations in the same order): int16 pair sums, or int32 with VNNI.
+template <class V>
+inline __m256i pair_dot(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi) {
+  __m256i acc16 = _mm256_setzero_si256(), acci = _mm256_setzero_si256();
+  add_u4<V>(acc16, acci, lo, xlo);
+  add_u4<V>(acc16, acci, hi, xhi);
+  return V::kPairSums16 ? acc16 : acci;
+}
+
+template <class V>
+inline __m256i fold_pairs(__m256i a, __m256i b) {
+  return V::kPairSums16 ? _mm256_hadd_epi16(a, b) : _mm256_hadd_epi32(a, b);
+}
+
+// acc[i][j] += one oct of R rows (128 bytes at wrow[i], eight scales at srow[i]) times MT tokens (256 int8
+// activations at xq[j], their oct table at t[j]).
+template <class V, ScaleType ST, int R, int MT>
+inline void int4_oct_step(const uint8_t* const* wrow, const uint16_t* const* srow, const int8_t* const* xq,
+                          const float* const* t, __m256 (&acc)[R][MT]) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256i half[2][R][MT];  // the folded sums of pairs 0-1 and 2-3
+  for (int q = 0; q < 2; ++q) {
+    __m256i first[R][MT];
+    for (int h = 0; h < 2; ++h) {
+      const int p = 2 * q + h;
+      __m256i xlo[MT], xhi[MT];
+      for (int j = 0; j < MT; ++j) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + 64 * p));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + 64 * p + 32));
+        xlo[j] = _mm256_permute2x128_si256(a, b, 0x20);
+        xhi[j] = _mm256_permute2x128_si256(a, b, 0x31);
+      }
+      for (int i = 0; i < R; ++i) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[i] + 32 * p));
+        const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        for (int j = 0; j < MT; ++j) {
+          const __m256i d = pair_dot<V>(lo, hi, xlo[j], xhi[j]);
+          if (h == 0) first[i][j] = d;
+          else half[q][i][j] = fold_pairs<V>(first[i][j], d);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    const __m256 ws = oct_weight_scales<ST>(srow[i]);
+    for (int j = 0; j < MT; ++j) {
+      __m256i sums = fold_pairs<V>(half[0][i][j], half[1][i][j]);
+      if constexpr (V::kPairSums16) sums = V::widen_pairs(sums);
+      const __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(t[j]));
+      acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), c, acc[i][j]);
+      acc[i][j] = _mm256_fmadd_ps(ws, _mm256_loadu_ps(t[j] + 8), acc[i][j]);
+    }
+  }
+}
+
+// out[i][j] = the R rows' dot products with MT tokens over octs [o0, o1) (`groups` in the whole row: a last
+// partial oct goes through zero-padded copies). tables: oct_tables of the MT tokens.
+template <class V, ScaleType ST, int R, int MT>
+inline void int4_oct_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 o0, I64 o1, I64 groups,
+                          const int8_t* const* xq, const float* const* tables, float (&out)[R][MT],
+                          const uint8_t* next) {
+  __m256 acc[R][MT];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < MT; ++j) acc[i][j] = _mm256_setzero_ps();
+  const I64 full = imin(o1, groups / 8);
+  const uint8_t* w[R];
+  const uint16_t* s[R];
+  const int8_t* xp[MT];
+  const float* t[MT];
+  for (I64 o = o0; o < full; ++o) {
+    if (next) prefetch_bytes<R * 128>(next + o * R * 128);
+    for (int i = 0; i < R; ++i) w[i] = rowp[i] + 128 * o, s[i] = srow[i] + 8 * o;
+    for (int j = 0; j < MT; ++j) xp[j] = xq[j] + 256 * o, t[j] = tables[j] + o * kOctFloats;
+    int4_oct_step<V, ST, R, MT>(w, s, xp, t, acc);
+  }
+  if (full < o1) {  // a last partial oct: its groups beside zeros
+    const I64 left = groups - 8 * full;
+    alignas(32) uint8_t wpad[R][128] = {};
+    alignas(32) int8_t xpad[MT][256] = {};
+    alignas(16) uint16_t spad[R][8] = {};
+    for (int i = 0; i < R; ++i) {
+      std::memcpy(wpad[i], rowp[i] + 128 * full, static_cast<size_t>(16 * left));
+      std::memcpy(spad[i], srow[i] + 8 * full, static_cast<size_t>(2 * left));
+      w[i] = wpad[i], s[i] = spad[i];
+    }
+    for (int j = 0; j < MT; ++j) {
+      std::memcpy(xpad[j], xq[j] + 256 * full, static_cast<size_t>(32 * left));
+      xp[j] = xpad[j], t[j] = tables[j] + full * kOctFloats;
+    }
+    int4_oct_step<V, ST, R, MT>(w, s, xp, t, acc);
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < MT; ++j) out[i][j] = hsum256(acc[i][j]);
+}
+
+// int4 with groups of 32 (see int4_oct_step): tiles of 4 rows, tokens two at a time (2 x 2 register tiles), a
+// last single token over all 4 rows; the GEMM path runs the same tiles over chunks of kGemmChunkK elements.
+template <class V, ScaleType ST>
+void matmul_int4_g32(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
+  const I64 M = x.m, groups = w.padded_cols / 32, octs = (groups + 7) / 8;
+  const I64 oc = gemm ? kGemmChunkK / 256 : octs;
+  const uint16_t* scales = static_cast<const uint16_t*>(w.scales);
+  const float* tables = oct_tables(x, groups);
+  auto table = [&](I64 m) { return tables + m * octs * kOctFloats; };
+  for (I64 o0 = 0; o0 < octs; o0 += oc) {
+    const I64 o1 = imin(o0 + oc, octs);
+    const bool first = o0 == 0;
+    for (I64 r = r0; r < r1; r += 4) {
+      const uint8_t* rowp[4];
+      const uint16_t* srow[4];
+      for (int i = 0; i < 4; ++i) {
+        const I64 ri = imin(r + i, r1 - 1);
+        rowp[i] = w.data + ri * w.row_bytes;
+        srow[i] = scales + ri * w.scale_stride;
+      }
+      const I64 valid = imin(4, r1 - r), row0 = r - r0;
+      const uint8_t* next = gemm ? nullptr : next_tile_rows(w, r, r1, 4, w.padded_cols / 2);
+      if (next)
+        for (I64 off = 0; off < 4 * w.scale_stride * 2; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(scales + (r + 4) * w.scale_stride) + off, _MM_HINT_T0);
+      I64 m = 0;
+      for (; m + 2 <= M; m += 2) {
+        const int8_t* xq[2] = {q_row(x, m), q_row(x, m + 1)};
+        const float* t[2] = {table(m), table(m + 1)};
+        for (int i = 0; i < 4; i += 2) {
+          float o[2][2];
+          int4_oct_tile<V, ST, 2, 2>(rowp + i, srow + i, o0, o1, groups, xq, t, o,
+                                     m == 0 && next ? next + i * w.row_bytes : nullptr);
+          store_tile<2, 2>(y, ldy, m, row0 + i, valid - i, first, o);
+        }
+      }
+      if (m < M) {
+        const int8_t* xq[1] = {q_row(x, m)};
+        const float* t[1] = {table(m)};
+        float o[4][1];
+        int4_oct_tile<V, ST, 4, 1>(rowp, srow, o0, o1, groups, xq, t, o, m == 0 ? next : nullptr);
+        store_tile<4, 1>(y, ldy, m, row0, valid, first, o);
+      }
+    }
+  }
 }
 
 template <class V, WFormat F, ScaleType ST, int kChunks>
@@ -189,8 +362,9 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
 
 template <class V, WFormat F, ScaleType ST>
 void matmul_int_group(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
-  if (w.group == 32) matmul_int<V, F, ST, 1>(w, r0, r1, x, y, ldy, gemm);
-  else matmul_int<V, F, ST, 4>(w, r0, r1, x, y, ldy, gemm);
+  if (w.group != 32) matmul_int<V, F, ST, 4>(w, r0, r1, x, y, ldy, gemm);
+  else if constexpr (F == WFormat::INT4) matmul_int4_g32<V, ST>(w, r0, r1, x, y, ldy, gemm);
+  else matmul_int<V, F, ST, 1>(w, r0, r1, x, y, ldy, gemm);
 }
 
 }  // namespace
