@@ -5,7 +5,8 @@
 //  - float formats (f32, bf16, f16, fp8): weights are decoded to float32 in registers (fp8 by bit placement,
 //    with the block scale and 2^120 folded into one multiply) and FMA'd against fp32 activations;
 //  - int formats (int4, int8): int8 activations quantised per group, integer dot products (maddubs or VNNI),
-//    one float multiply-add per group with the weight and activation scales.
+//    one float multiply-add per group with the weight and activation scales (int4 with 32-groups: per 8
+//    groups, their integer sums folded into one vector first).
 // GEMV path (few tokens): register tiles of R rows x MT tokens over whole rows (vectors along K), sharing each
 // decoded weight vector across tokens, the next tile's rows prefetched. GEMM path (many tokens), K in chunks:
 // float formats decode a panel of rows once and multiply it by the transposed activations as outer products

@@ -122,7 +122,8 @@ inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I6
 // most 15 x 127: 30,480 < 2^15; with VNNI, dpbusd int32 sums and int32 horizontal adds). The scales follow that
 // order: the weights' eight are shuffled into it in registers, the tokens' and their unsigned-offset correction
 // (-8 qsum) are prepared once per call (oct_tables). Per oct, row and token: 8 maddubs, 4 adds, 3 horizontal
-// adds, a madd, a convert, a multiply and two FMAs, against a scalar multiply-add a group before.
+// adds, a madd, a convert, a multiply and two FMAs (int_tile: a madd, a convert, a broadcast and an FMA per
+// group, and a scale table rebuilt every 8 groups).
 constexpr I64 kOctFloats = 16;  // per token and oct: its activation scales, then -8 qsum, in the order above
 
 // The group order of an oct's sums.
