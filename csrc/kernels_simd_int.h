@@ -114,6 +114,32 @@ inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I6
     for (int j = 0; j < MT; ++j) out[i][j] = hsum256(accf[i][j]) - kOffset * hsum256(corr[i][j]);
 }
 
+// The 4-row tile of int rows [r, r + 4) within [.., r1): row and scale pointers (a short tile repeats its last
+// row, not stored), the rows stored, and the next tile's rows for the GEMV path to prefetch (nullptr: none;
+// their group scales are prefetched here: a stream of their own, which prefetchers pick up late).
+struct IntRowTile {
+  const uint8_t* rowp[4];
+  const uint16_t* srow[4];
+  I64 valid;
+  const uint8_t* next;
+};
+
+inline IntRowTile int_row_tile(const Matrix& w, I64 r, I64 r1, bool gemm, I64 row_read_bytes) {
+  const uint16_t* scales = static_cast<const uint16_t*>(w.scales);
+  IntRowTile t;
+  for (int i = 0; i < 4; ++i) {
+    const I64 ri = imin(r + i, r1 - 1);
+    t.rowp[i] = w.data + ri * w.row_bytes;
+    t.srow[i] = scales + ri * w.scale_stride;
+  }
+  t.valid = imin(4, r1 - r);
+  t.next = gemm ? nullptr : next_tile_rows(w, r, r1, 4, row_read_bytes);
+  if (t.next)
+    for (I64 off = 0; off < 4 * w.scale_stride * 2; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(scales + (r + 4) * w.scale_stride) + off, _MM_HINT_T0);
+  return t;
+}
+
 // ---- int4, group 32: eight groups a step ---------------------------------------------------------------------
 // Each 32-byte load of a row holds two groups (lane 0: group 2p, lane 1: 2p + 1), unpacked as in the wide path,
 // so that the int16 pair sums of one pair of groups' dot products form one vector (lanes 0-7 group 2p, 8-15
@@ -258,25 +284,17 @@ template <class V, ScaleType ST>
 void matmul_int4_g32(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
   const I64 M = x.m, groups = w.padded_cols / 32, octs = (groups + 7) / 8;
   const I64 oc = gemm ? kGemmChunkK / 256 : octs;
-  const uint16_t* scales = static_cast<const uint16_t*>(w.scales);
   const float* tables = oct_tables(x, groups);
   auto table = [&](I64 m) { return tables + m * octs * kOctFloats; };
   for (I64 o0 = 0; o0 < octs; o0 += oc) {
     const I64 o1 = imin(o0 + oc, octs);
     const bool first = o0 == 0;
     for (I64 r = r0; r < r1; r += 4) {
-      const uint8_t* rowp[4];
-      const uint16_t* srow[4];
-      for (int i = 0; i < 4; ++i) {
-        const I64 ri = imin(r + i, r1 - 1);
-        rowp[i] = w.data + ri * w.row_bytes;
-        srow[i] = scales + ri * w.scale_stride;
-      }
-      const I64 valid = imin(4, r1 - r), row0 = r - r0;
-      const uint8_t* next = gemm ? nullptr : next_tile_rows(w, r, r1, 4, w.padded_cols / 2);
-      if (next)
-        for (I64 off = 0; off < 4 * w.scale_stride * 2; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(scales + (r + 4) * w.scale_stride) + off, _MM_HINT_T0);
+      const IntRowTile tile = int_row_tile(w, r, r1, gemm, w.padded_cols / 2);
+      const uint8_t* const* rowp = tile.rowp;
+      const uint16_t* const* srow = tile.srow;
+      const uint8_t* next = tile.next;
+      const I64 valid = tile.valid, row0 = r - r0;
       I64 m = 0;
       for (; m + 2 <= M; m += 2) {
         const int8_t* xq[2] = {q_row(x, m), q_row(x, m + 1)};
@@ -303,25 +321,16 @@ template <class V, WFormat F, ScaleType ST, int kChunks>
 void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
   const I64 M = x.m, groups = w.padded_cols / w.group;
   const I64 gc = gemm ? imax(1, kGemmChunkK / w.group) : groups;
-  const uint16_t* scales = static_cast<const uint16_t*>(w.scales);
   constexpr int kWideRows = kChunks == 1 ? 2 : 1;  // rows of the 4-token tile (int accumulators cost registers)
   for (I64 g0 = 0; g0 < groups; g0 += gc) {
     const I64 g1 = imin(g0 + gc, groups);
     const bool first = g0 == 0;
     for (I64 r = r0; r < r1; r += 4) {
-      const uint8_t* rowp[4];
-      const uint16_t* srow[4];
-      for (int i = 0; i < 4; ++i) {
-        const I64 ri = imin(r + i, r1 - 1);
-        rowp[i] = w.data + ri * w.row_bytes;
-        srow[i] = scales + ri * w.scale_stride;
-      }
-      const I64 valid = imin(4, r1 - r), row0 = r - r0;
-      const I64 row_read = F == WFormat::INT4 ? w.padded_cols / 2 : w.padded_cols;
-      const uint8_t* next = gemm ? nullptr : next_tile_rows(w, r, r1, 4, row_read);
-      if (next)  // the next tile's group scales too: a stream of their own, which prefetchers pick up late
-        for (I64 off = 0; off < 4 * w.scale_stride * 2; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(scales + (r + 4) * w.scale_stride) + off, _MM_HINT_T0);
+      const IntRowTile tile = int_row_tile(w, r, r1, gemm, F == WFormat::INT4 ? w.padded_cols / 2 : w.padded_cols);
+      const uint8_t* const* rowp = tile.rowp;
+      const uint16_t* const* srow = tile.srow;
+      const uint8_t* next = tile.next;
+      const I64 valid = tile.valid, row0 = r - r0;
       I64 m = 0;
       for (; m + 4 <= M; m += 4) {
         const int8_t* xq[4];
