@@ -155,7 +155,7 @@ class MixedBatches(TrainingBatches):
       training tokens and the ten digits) repeated to fill the row; loss only on the repeats;
     - text row: packed documents, as in text_batch;
     - passkey row: one example of about the row's width, right-padded, the answer digits carrying half of
-      its loss.
+      its loss (with passkey_prompt_loss False: all of it, the prompt's tokens weighing nothing).
     Until mixed_short_steps every row is mixed_short_width wide (many cheap rows: induction forms on short
     sequences); after that each step's width is log-uniform in [mixed_short_width, passkey_max_tokens] and the
     row count keeps about mixed_tokens_per_step tokens per step. Yields (input_ids, weights, kinds) with kinds
@@ -219,4 +219,7 @@ class MixedBatches(TrainingBatches):
 
     def _passkey_row(self, width: int) -> tuple[list[int], list[float]]:
         ids, digits = self._passkey_example(max(TRAIN["passkey_min_tokens"], width - 8))
-        return ids, answer_half_weights(ids, digits)
+        weights = answer_half_weights(ids, digits)
+        if not TRAIN.get("passkey_prompt_loss", True):  # the answer digits alone, at the same weight each
+            weights = [w if index in digits else 0.0 for index, w in enumerate(weights)]
+        return ids, weights

@@ -196,6 +196,18 @@ VARIANTS["passkey_long_wide_text"] = dict(
 )
 
 
+# Answer-only passkey rows on top of passkey_long_wide (its final weights, fresh optimiser): in every passkey-heavy
+# phase so far the greedy text fell into the passkey prompt's wording, and every text phase after it gave back most
+# of the retrieval won at 1K. Here the passkey rows' prompt tokens (intro and filler) carry no loss, so they train
+# retrieval alone, and text rows beside them restore the prose.
+VARIANTS["passkey_long_answers"] = dict(
+    model=VARIANTS["passkey_long_wide"]["model"],
+    train={**VARIANTS["passkey_long_wide"]["train"], "init_from": "passkey_long_wide", "stream_seed": SEED + 9,
+           "steps": 1200, "lr": 3e-4, "warmup_steps": 20, "passkey_prompt_loss": False,
+           "mixed_row_shares_long": {"text": 0.5, "passkey": 0.5}},
+)
+
+
 # The shipped demo model: mixed_copy's first 1,700 steps, passkey_focus's 3,000, passkey_long's 3,600 and
 # passkey_long_text's 400 (MODEL_CARD.md, Training).
 SHIPPED_VARIANT = "passkey_long_text"
