@@ -211,8 +211,8 @@ VARIANTS["passkey_long_answers"] = dict(
 )
 
 
-# More of passkey_long_answers (its final weights, fresh optimiser), the same rows with a new stream seed: its
-# retrieval at 1K was still rising when its schedule ended.
+# Tried, not shipped (MODEL_CARD.md, "A sixth round"): more of passkey_long_answers (its final weights, fresh
+# optimiser), the same rows with a new stream seed, as its retrieval at 1K rose until its decay. Stopped at step 500.
 VARIANTS["passkey_long_answers_more"] = dict(
     model=VARIANTS["passkey_long_answers"]["model"],
     train={**VARIANTS["passkey_long_answers"]["train"], "init_from": "passkey_long_answers", "stream_seed": SEED + 10,
