@@ -220,6 +220,15 @@ VARIANTS["passkey_long_answers_more"] = dict(
 )
 
 
+# Tried, not shipped (MODEL_CARD.md, "A sixth round"): more of passkey_long_answers at a third of its rate (its
+# final weights, fresh optimiser), so that the fresh optimiser's first steps cost less of what it had won.
+VARIANTS["passkey_long_answers_low"] = dict(
+    model=VARIANTS["passkey_long_answers"]["model"],
+    train={**VARIANTS["passkey_long_answers"]["train"], "init_from": "passkey_long_answers", "stream_seed": SEED + 11,
+           "steps": 600, "lr": 1e-4},
+)
+
+
 # The shipped demo model: mixed_copy's first 1,700 steps, passkey_focus's 3,000, passkey_long's 3,600,
 # passkey_long_text's 400, passkey_long_wide's 1,800 and passkey_long_answers' 1,200 (MODEL_CARD.md, Training).
 SHIPPED_VARIANT = "passkey_long_answers"
