@@ -291,27 +291,24 @@ void matmul_int4_g32(const Matrix& w, I64 r0, I64 r1, const Activations& x, floa
     const bool first = o0 == 0;
     for (I64 r = r0; r < r1; r += 4) {
       const IntRowTile tile = int_row_tile(w, r, r1, gemm, w.padded_cols / 2);
-      const uint8_t* const* rowp = tile.rowp;
-      const uint16_t* const* srow = tile.srow;
-      const uint8_t* next = tile.next;
-      const I64 valid = tile.valid, row0 = r - r0;
+      const I64 row0 = r - r0;
       I64 m = 0;
       for (; m + 2 <= M; m += 2) {
         const int8_t* xq[2] = {q_row(x, m), q_row(x, m + 1)};
         const float* t[2] = {table(m), table(m + 1)};
         for (int i = 0; i < 4; i += 2) {
           float o[2][2];
-          int4_oct_tile<V, ST, 2, 2>(rowp + i, srow + i, o0, o1, groups, xq, t, o,
-                                     m == 0 && next ? next + i * w.row_bytes : nullptr);
-          store_tile<2, 2>(y, ldy, m, row0 + i, valid - i, first, o);
+          int4_oct_tile<V, ST, 2, 2>(tile.rowp + i, tile.srow + i, o0, o1, groups, xq, t, o,
+                                     m == 0 && tile.next ? tile.next + i * w.row_bytes : nullptr);
+          store_tile<2, 2>(y, ldy, m, row0 + i, tile.valid - i, first, o);
         }
       }
       if (m < M) {
         const int8_t* xq[1] = {q_row(x, m)};
         const float* t[1] = {table(m)};
         float o[4][1];
-        int4_oct_tile<V, ST, 4, 1>(rowp, srow, o0, o1, groups, xq, t, o, m == 0 ? next : nullptr);
-        store_tile<4, 1>(y, ldy, m, row0, valid, first, o);
+        int4_oct_tile<V, ST, 4, 1>(tile.rowp, tile.srow, o0, o1, groups, xq, t, o, m == 0 ? tile.next : nullptr);
+        store_tile<4, 1>(y, ldy, m, row0, tile.valid, first, o);
       }
     }
   }
@@ -327,10 +324,7 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
     const bool first = g0 == 0;
     for (I64 r = r0; r < r1; r += 4) {
       const IntRowTile tile = int_row_tile(w, r, r1, gemm, F == WFormat::INT4 ? w.padded_cols / 2 : w.padded_cols);
-      const uint8_t* const* rowp = tile.rowp;
-      const uint16_t* const* srow = tile.srow;
-      const uint8_t* next = tile.next;
-      const I64 valid = tile.valid, row0 = r - r0;
+      const I64 row0 = r - r0;
       I64 m = 0;
       for (; m + 4 <= M; m += 4) {
         const int8_t* xq[4];
@@ -342,9 +336,9 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
         }
         for (int i = 0; i < 4; i += kWideRows) {
           float o[kWideRows][4];
-          int_tile<V, F, ST, kChunks, kWideRows, 4>(rowp + i, srow + i, g0, g1, xq, xs, xsum, o,
-                                                    m == 0 && next ? next + i * w.row_bytes : nullptr);
-          store_tile<kWideRows, 4>(y, ldy, m, row0 + i, valid - i, first, o);
+          int_tile<V, F, ST, kChunks, kWideRows, 4>(tile.rowp + i, tile.srow + i, g0, g1, xq, xs, xsum, o,
+                                                    m == 0 && tile.next ? tile.next + i * w.row_bytes : nullptr);
+          store_tile<kWideRows, 4>(y, ldy, m, row0 + i, tile.valid - i, first, o);
         }
       }
       for (; m + 2 <= M; m += 2) {
@@ -353,9 +347,9 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
         const float* xsum[2] = {qsum_row(x, m), qsum_row(x, m + 1)};
         for (int i = 0; i < 4; i += 2) {
           float o[2][2];
-          int_tile<V, F, ST, kChunks, 2, 2>(rowp + i, srow + i, g0, g1, xq, xs, xsum, o,
-                                            m == 0 && next ? next + i * w.row_bytes : nullptr);
-          store_tile<2, 2>(y, ldy, m, row0 + i, valid - i, first, o);
+          int_tile<V, F, ST, kChunks, 2, 2>(tile.rowp + i, tile.srow + i, g0, g1, xq, xs, xsum, o,
+                                            m == 0 && tile.next ? tile.next + i * w.row_bytes : nullptr);
+          store_tile<2, 2>(y, ldy, m, row0 + i, tile.valid - i, first, o);
         }
       }
       for (; m < M; ++m) {
@@ -363,8 +357,8 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
         const float* xs[1] = {qscale_row(x, m)};
         const float* xsum[1] = {qsum_row(x, m)};
         float o[4][1];
-        int_tile<V, F, ST, kChunks, 4, 1>(rowp, srow, g0, g1, xq, xs, xsum, o, m == 0 ? next : nullptr);
-        store_tile<4, 1>(y, ldy, m, row0, valid, first, o);
+        int_tile<V, F, ST, kChunks, 4, 1>(tile.rowp, tile.srow, g0, g1, xq, xs, xsum, o, m == 0 ? tile.next : nullptr);
+        store_tile<4, 1>(y, ldy, m, row0, tile.valid, first, o);
       }
     }
   }
