@@ -6,11 +6,9 @@ checkpoint_every steps) hold model, optimiser and router-bias state, so --resume
 Routing is balanced without an auxiliary loss, as in DeepSeek-V3: after each step every MoE layer's
 e_score_correction_bias moves by router_bias_update_rate towards equal expert load.
 
-Run (after prepare_data.py and train_tokenizer.py) the shipped model's four runs (MODEL_CARD.md, Reproducing):
-  .venv/bin/python training/train.py --variant mixed_copy --stop-after 1700
-  .venv/bin/python training/train.py --variant passkey_focus
-  .venv/bin/python training/train.py --variant passkey_long
-  .venv/bin/python training/train.py --variant passkey_long_text --export src/hybridmoe/assets/demo_model
+A continuation names its source run in the variant (init_from: that run's final weights and router biases;
+init_optimizer: its AdamW moments too). The shipped model's runs, in order: MODEL_CARD.md, Reproducing; e.g.
+  .venv/bin/python training/train.py --variant passkey_long_answers_carry --export src/hybridmoe/assets/demo_model
 Every run exports into training/runs/<run>/export/ unless --export says otherwise.
 """
 
@@ -40,6 +38,24 @@ def build_model(tokenizer) -> DeepseekV3ForCausalLM:
                               pad_token_id=tokenizer.token_to_id(PAD_TOKEN))
     config._attn_implementation = "sdpa"
     return DeepseekV3ForCausalLM(config)
+
+
+def build_optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices only; the rate is set every step (learning_rate)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": TRAIN["weight_decay"]},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=TRAIN["lr"], betas=TRAIN["betas"])
+
+
+def initialise_from(source: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Start a continuation from another run's checkpoint: its weights (router biases included) and, when an
+    optimiser is given, its AdamW moments. A fresh optimiser's first steps (no second-moment estimate yet)
+    cost every fresh-optimiser continuation part of the retrieval it started from (MODEL_CARD.md)."""
+    state = torch.load(source, map_location=next(model.parameters()).device, weights_only=False)
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
 
 
 def recipe_record(steps: int) -> dict:
@@ -153,14 +169,12 @@ def main() -> None:
     batches = iter(stream(tokenizer, data_stream.tokenize_split(tokenizer, "train"), TRAIN.get("stream_seed", SEED)))
     model = build_model(tokenizer).to(device)
     checkpoint_path = run_dir / "checkpoint.pt"
+    optimizer = build_optimizer(model)
     if TRAIN.get("init_from") and not (args.resume and checkpoint_path.exists()):
         source = RUNS_DIR / TRAIN["init_from"] / "checkpoint.pt"
-        model.load_state_dict(torch.load(source, map_location=device, weights_only=False)["model"])
-        print(f"initialised from {source}", flush=True)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": TRAIN["weight_decay"]},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=TRAIN["lr"], betas=TRAIN["betas"])
+        initialise_from(source, model, optimizer if TRAIN.get("init_optimizer") else None)
+        print(f"initialised from {source}" + (" (weights and optimiser state)" if TRAIN.get("init_optimizer") else ""),
+              flush=True)
     balancer = RouterLoadBalancer(model, TRAIN["router_bias_update_rate"], TRAIN["balance_loss_alpha"])
     n_params = sum(p.numel() for p in model.parameters())
     print(f"parameters {n_params:,}  device {device}  steps {args.steps}", flush=True)
