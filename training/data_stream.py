@@ -221,5 +221,8 @@ class MixedBatches(TrainingBatches):
         ids, digits = self._passkey_example(max(TRAIN["passkey_min_tokens"], width - 8))
         weights = answer_half_weights(ids, digits)
         if not TRAIN.get("passkey_prompt_loss", True):  # the answer digits alone, at the same weight each
-            weights = [w if index in digits else 0.0 for index, w in enumerate(weights)]
+            scored = set(digits)
+            if TRAIN.get("passkey_answer_end_loss", False):  # and what ends the answer: its "." and EOS
+                scored.update(range(digits[-1] + 1, len(ids) - 1))
+            weights = [weights[digits[0]] if index in scored else 0.0 for index in range(len(weights))]
         return ids, weights

@@ -8,7 +8,7 @@ e_score_correction_bias moves by router_bias_update_rate towards equal expert lo
 
 A continuation names its source run in the variant (init_from: that run's final weights and router biases;
 init_optimizer: its AdamW moments too). The shipped model's runs, in order: MODEL_CARD.md, Reproducing; e.g.
-  .venv/bin/python training/train.py --variant passkey_long_answers_carry --export src/hybridmoe/assets/demo_model
+  .venv/bin/python training/train.py --variant passkey_long_answers_end --export src/hybridmoe/assets/demo_model
 Every run exports into training/runs/<run>/export/ unless --export says otherwise.
 """
 

@@ -8,7 +8,7 @@ from hybridmoe.checkpoint.default_model import default_model_dir
 from hybridmoe.commands._generation import build_engine, stream
 from hybridmoe.runtime.sampling_params import SamplingParams
 
-DEMO_PROMPTS = ["A man was reading", "A wise man once said"]  # prompts in the style of its text (MODEL_CARD.md)
+DEMO_PROMPTS = ["A man was reading", "The meaning of life is"]  # prompts in the style of its text (MODEL_CARD.md)
 
 
 def register(subparsers) -> None:
