@@ -241,8 +241,8 @@ VARIANTS["passkey_long_answers_carry"] = dict(
            "mixed_row_shares_long": {"text": 0.35, "passkey": 0.65}},
 )
 
-# Run 9 (MODEL_CARD.md, "A seventh round"): passkey_long_answers_carry's final weights and AdamW moments, 250 steps
-# with the answer's end scored too. In the answer-only rows of runs 6-8 the "." after the fifth digit carried no
+# Run 9 (MODEL_CARD.md, "A seventh round"): passkey_long_answers_carry's weights and AdamW moments where it stopped
+# (step 2,700: `--stop-after 2700`), 250 steps with the answer's end scored too. In the answer-only rows of runs 6-8 the "." after the fifth digit carried no
 # loss, and run 8 retrieves the five digits at 1K almost always but often writes the last one twice.
 VARIANTS["passkey_long_answers_end"] = dict(
     model=VARIANTS["passkey_long_answers_carry"]["model"],
