@@ -172,9 +172,9 @@ def main() -> None:
     optimizer = build_optimizer(model)
     if TRAIN.get("init_from") and not (args.resume and checkpoint_path.exists()):
         source = RUNS_DIR / TRAIN["init_from"] / "checkpoint.pt"
-        initialise_from(source, model, optimizer if TRAIN.get("init_optimizer") else None)
-        print(f"initialised from {source}" + (" (weights and optimiser state)" if TRAIN.get("init_optimizer") else ""),
-              flush=True)
+        with_moments = bool(TRAIN.get("init_optimizer"))
+        initialise_from(source, model, optimizer if with_moments else None)
+        print(f"initialised from {source}" + (" (weights and optimiser state)" if with_moments else ""), flush=True)
     balancer = RouterLoadBalancer(model, TRAIN["router_bias_update_rate"], TRAIN["balance_loss_alpha"])
     n_params = sum(p.numel() for p in model.parameters())
     print(f"parameters {n_params:,}  device {device}  steps {args.steps}", flush=True)
