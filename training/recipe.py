@@ -199,8 +199,8 @@ VARIANTS["passkey_long_wide_text"] = dict(
 )
 
 
-# Run 6 (MODEL_CARD.md, "A sixth round"; the shipped model until run 9): answer-only passkey rows on top of passkey_long_wide
-# (its final weights, fresh optimiser). In every passkey-heavy phase before it the greedy text fell into the passkey
+# Run 6 (MODEL_CARD.md, "A sixth round"; the shipped model until run 9): answer-only passkey rows on top of
+# passkey_long_wide (its final weights, fresh optimiser). In every passkey-heavy phase before it the greedy text fell into the passkey
 # prompt's wording, and every text phase after one gave back most of the retrieval won at 1K. Here the passkey
 # rows' prompt tokens (intro and filler) carry no loss, so they train retrieval alone, and the text rows beside
 # them restore the prose.
