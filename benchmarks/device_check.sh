@@ -5,16 +5,19 @@
 #   info.txt             the machine (lscpu, GPUs) and `hybridmoe info`: the kernel ISA that runs, CPU features;
 #   tests_kernels.log    the kernel tests, run on every ISA the CPU has (AVX-512 where present);
 #   bench_best.json      `hybridmoe bench kernels` (full mode) on the best ISA (table in the output);
-#   bench_avx2.json      `hybridmoe bench kernels --quick` with HYBRIDMOE_ISA=avx2, to set beside it;
+#   bench_avx512.json    `hybridmoe bench kernels --formats fp8,bf16` with HYBRIDMOE_ISA=avx512 (float32
+#                        activations), to set beside the best ISA's where that is avx512bf16 (bf16 dot products);
+#   bench_avx2.json      (step avx2, not by default: a 9th file) `hybridmoe bench kernels --quick` with
+#                        HYBRIDMOE_ISA=avx2;
 #   profile.json         `hybridmoe profile --quick`: the hardware profile the planner reads (GPU matmul, copy and
 #                        attention timings where CUDA is present);
 #   tests_rest.log       the rest of the test suite (in parallel where pytest-xdist is installed).
-# Usage: OUT=/some/dir [PYTHON=python3] [STEPS="kernels bench avx2 profile rest"] bash benchmarks/device_check.sh
+# Usage: OUT=/some/dir [PYTHON=python3] [STEPS="kernels bench avx512 profile rest"] bash benchmarks/device_check.sh
 # Exit status: 0 when every step that ran passed, else the number of failed steps.
 set -uo pipefail
 OUT=${OUT:-/tmp/hybridmoe-device-check}
 PYTHON=${PYTHON:-python3}
-STEPS=${STEPS-kernels bench avx2 profile rest}
+STEPS=${STEPS-kernels bench avx512 profile rest}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -44,6 +47,8 @@ for s in $STEPS; do
   case $s in
     kernels) TAIL=15 step 240 tests_kernels.log "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels ;;
     bench) TAIL=45 step 240 bench.txt "$PYTHON" -m hybridmoe.cli bench kernels --json "$OUT/bench_best.json" ;;
+    avx512) TAIL=12 step 150 bench.txt env HYBRIDMOE_ISA=avx512 \
+            "$PYTHON" -m hybridmoe.cli bench kernels --formats fp8,bf16 --json "$OUT/bench_avx512.json" ;;
     avx2) TAIL=12 step 90 bench.txt env HYBRIDMOE_ISA=avx2 \
             "$PYTHON" -m hybridmoe.cli bench kernels --quick --json "$OUT/bench_avx2.json" ;;
     profile) TAIL=5 step 120 bench.txt "$PYTHON" -m hybridmoe.cli profile --quick --out "$OUT/profile.json" ;;

@@ -338,8 +338,9 @@ NB_MODULE(_native, mod) {
       .def_prop_ro("rows", [](const PyMatrix& p) { return p.m.rows; })
       .def_prop_ro("cols", [](const PyMatrix& p) { return p.m.cols; })
       .def_prop_ro("padded_cols", [](const PyMatrix& p) { return p.m.padded_cols; })
-      .def_prop_ro("gemm_min_tokens", [](const PyMatrix& p) { return gemm_min_tokens(p.m.fmt); },
-                   "Tokens from which path='auto' takes the GEMM path (fewer: the GEMV path).")
+      .def_prop_ro("gemm_min_tokens",
+                   [](const PyMatrix& p) { return gemm_min_tokens(p.m.fmt, active_kernels()->bf16_dot); },
+                   "Tokens from which path='auto' takes the GEMM path (fewer: the GEMV path), for the active ISA.")
       .def_prop_ro("flag_bytes", [](const PyMatrix& p) { return p.row_flags ? p.row_flags->size() : size_t{0}; },
                    "fp8: bytes of the per-row NaN / per-block subnormal flags made at load")
       .def_prop_ro("nan_rows", [](const PyMatrix& p) {
@@ -392,7 +393,12 @@ NB_MODULE(_native, mod) {
 
   mod.def("isa_names", &isa_names);
   mod.def("isa_unavailable_reason", &isa_unavailable_reason, "name"_a);
+  mod.def("isa_auto_selected", &isa_auto_selected, "name"_a,
+          "Whether `name` may be chosen without HYBRIDMOE_ISA (false for emulations kept for tests)");
   mod.def("active_isa", [] { return std::string(active_kernels()->name); });
+  mod.def("isa_bf16_dot", [](const std::string& name) { return kernels_for(name)->bf16_dot; }, "name"_a,
+          "Whether ISA `name` rounds the activations of bf16 and fp8 matmuls to bf16 (bf16 dot products); "
+          "ValueError if it cannot run here");
   mod.def("set_isa", [](const std::string& name) {
     global_executor().drain();
     set_active_isa(name);

@@ -69,12 +69,16 @@ std::vector<std::pair<std::string, bool>> cpu_feature_list() {
           {"avx512_vbmi", f.avx512vbmi}};
 }
 
-std::vector<std::string> isa_names() { return {"avx512", "avx2", "scalar"}; }
+std::vector<std::string> isa_names() { return {"avx512bf16", "avx512", "avx2", "avx2bf16", "scalar"}; }
+
+bool isa_auto_selected(const std::string& name) { return name != "avx2bf16"; }
 
 bool isa_compiled(const std::string& name) {
   if (name == "scalar") return true;
   if (name == "avx2") return kernels_avx2() != nullptr;
+  if (name == "avx2bf16") return kernels_avx2bf16() != nullptr;
   if (name == "avx512") return kernels_avx512() != nullptr;
+  if (name == "avx512bf16") return kernels_avx512bf16() != nullptr;
   return false;
 }
 
@@ -85,20 +89,21 @@ std::string isa_unavailable_reason(const std::string& name) {
     if (!have) missing += std::string(missing.empty() ? "" : ", ") + what;
   };
   if (name == "scalar") return "";
-  if (name == "avx2") {
+  if (name == "avx2" || name == "avx2bf16") {
     need(f.avx && f.os_avx, "avx (with OS support)");
     need(f.avx2, "avx2");
     need(f.fma, "fma");
     need(f.f16c, "f16c");
-  } else if (name == "avx512") {
+  } else if (name == "avx512" || name == "avx512bf16") {
     need(f.avx2 && f.fma && f.f16c && f.os_avx, "avx2+fma+f16c");
     need(f.avx512f && f.os_avx512, "avx512f (with OS support)");
     need(f.avx512bw, "avx512bw");
     need(f.avx512vl, "avx512vl");
     need(f.avx512dq, "avx512dq");
     need(f.avx512vnni, "avx512_vnni");
+    if (name == "avx512bf16") need(f.avx512bf16, "avx512_bf16");
   } else {
-    return "unknown ISA '" + name + "' (known: avx512, avx2, scalar)";
+    return "unknown ISA '" + name + "' (known: avx512bf16, avx512, avx2, avx2bf16, scalar)";
   }
   if (!missing.empty()) return "this CPU lacks " + missing;
   if (!isa_compiled(name)) return "this build has no " + name + " kernels (compiler or platform without it)";
@@ -108,8 +113,10 @@ std::string isa_unavailable_reason(const std::string& name) {
 const KernelTable* kernels_for(const std::string& name) {
   const std::string why = isa_unavailable_reason(name);
   if (!why.empty()) throw std::invalid_argument("ISA '" + name + "' cannot run: " + why);
+  if (name == "avx512bf16") return kernels_avx512bf16();
   if (name == "avx512") return kernels_avx512();
   if (name == "avx2") return kernels_avx2();
+  if (name == "avx2bf16") return kernels_avx2bf16();
   return kernels_scalar();
 }
 
@@ -124,7 +131,7 @@ const KernelTable* active_kernels() {
     t = kernels_for(forced);
   } else {
     for (const std::string& name : isa_names()) {
-      if (isa_unavailable_reason(name).empty()) {
+      if (isa_auto_selected(name) && isa_unavailable_reason(name).empty()) {
         t = kernels_for(name);
         break;
       }

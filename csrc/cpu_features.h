@@ -1,5 +1,6 @@
 // CPU feature detection (cpuid + OS register-state support) and the run-time choice of kernel ISA.
-// HYBRIDMOE_ISA=scalar|avx2|avx512 forces one; otherwise the best one the CPU and the build support runs.
+// HYBRIDMOE_ISA=scalar|avx2|avx2bf16|avx512|avx512bf16 forces one; otherwise the best one the CPU and the build
+// support runs (never avx2bf16: it emulates AVX512-BF16's dot products on AVX2, for tests).
 #pragma once
 
 #include <string>
@@ -21,7 +22,8 @@ const CpuFeatures& cpu_features();
 std::vector<std::pair<std::string, bool>> cpu_feature_list();
 
 // ISAs in order of preference, each with whether this CPU can run it and this build has it.
-std::vector<std::string> isa_names();  // {"avx512", "avx2", "scalar"}
+std::vector<std::string> isa_names();  // {"avx512bf16", "avx512", "avx2", "avx2bf16", "scalar"}
+bool isa_auto_selected(const std::string& name);  // false for emulations (avx2bf16)
 bool isa_compiled(const std::string& name);
 // Empty if `name` can run here; otherwise why not (names the missing features).
 std::string isa_unavailable_reason(const std::string& name);

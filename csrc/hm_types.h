@@ -79,18 +79,23 @@ constexpr int64_t kGemmMinTokensFloat = 64;
 constexpr int64_t kGemmMinTokensInt = 192;
 constexpr int64_t kMaxGemvTokens = kGemmMinTokensFloat - 1;  // the most tokens the float GEMV path takes
 
-static inline int64_t gemm_min_tokens(WFormat f) {
+// With bf16 dot products (KernelTable::bf16_dot) bf16 and fp8 weights stay on the GEMV path up to
+// kMaxGemvTokens: its 4 x 6 tiles multiply-add twice as much per instruction as the float32 GEMM panels.
+static inline int64_t gemm_min_tokens(WFormat f, bool bf16_dot = false) {
+  if (bf16_dot && (f == WFormat::FP8 || f == WFormat::BF16)) return kGemmMinTokensFloat;
   return f == WFormat::FP8 ? kGemmMinTokensFp8 : is_int_format(f) ? kGemmMinTokensInt : kGemmMinTokensFloat;
 }
 
 // Whether `tokens` tokens of one expert take the GEMM path for weights in format f.
-static inline bool use_gemm(MatmulPath path, int64_t tokens, WFormat f) {
-  return path == MatmulPath::Gemm || (path == MatmulPath::Auto && tokens >= gemm_min_tokens(f));
+static inline bool use_gemm(MatmulPath path, int64_t tokens, WFormat f, bool bf16_dot = false) {
+  return path == MatmulPath::Gemm || (path == MatmulPath::Auto && tokens >= gemm_min_tokens(f, bf16_dot));
 }
 
 // The kernels one ISA provides. All pointers are non-null in a table that exists.
 struct KernelTable {
   const char* name;
+  // bf16 and fp8 weights: activations rounded to bf16, bf16 dot products on the GEMV path (kernels_simd_bf16.h)
+  bool bf16_dot;
   // y[m * ldy + (r - r0)] = sum_k x[m][k] * W[r][k] for r in [r0, r1), m < x.m.
   void (*matmul)(const Matrix& w, int64_t r0, int64_t r1, const Activations& x, float* y, int64_t ldy,
                  MatmulPath path);
@@ -105,5 +110,7 @@ struct KernelTable {
 const KernelTable* kernels_scalar();
 const KernelTable* kernels_avx2();    // nullptr where not compiled in
 const KernelTable* kernels_avx512();  // nullptr where not compiled in
+const KernelTable* kernels_avx512bf16();  // nullptr where not compiled in
+const KernelTable* kernels_avx2bf16();    // nullptr where not compiled in
 
 }  // namespace hm

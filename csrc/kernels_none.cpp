@@ -4,8 +4,12 @@
 namespace hm {
 #ifndef HM_HAVE_AVX2
 const KernelTable* kernels_avx2() { return nullptr; }
+const KernelTable* kernels_avx2bf16() { return nullptr; }
 #endif
 #ifndef HM_HAVE_AVX512
 const KernelTable* kernels_avx512() { return nullptr; }
+#endif
+#ifndef HM_HAVE_AVX512BF16
+const KernelTable* kernels_avx512bf16() { return nullptr; }
 #endif
 }  // namespace hm

@@ -7,6 +7,8 @@
 //  - int formats (int4, int8): int8 activations quantised per group, integer dot products (maddubs or VNNI),
 //    one float multiply-add per group with the weight and activation scales (int4 with 32-groups: per 8
 //    groups, their integer sums folded into one vector first).
+//  - tables whose vocabulary has kBf16Dot (avx512bf16; avx2bf16 emulates it) run bf16 and fp8 weights on the
+//    GEMV path with bf16 activations and bf16 dot products (kernels_simd_bf16.h);
 // GEMV path (few tokens): register tiles of R rows x MT tokens over whole rows (vectors along K), sharing each
 // decoded weight vector across tokens, the next tile's rows prefetched. GEMM path (many tokens), K in chunks:
 // float formats decode a panel of rows once and multiply it by the transposed activations as outer products
@@ -19,6 +21,7 @@
 // Legend: M tokens, K input features, R rows per register tile, MT tokens per register tile, W vector lanes.
 #pragma once
 
+#include "kernels_simd_bf16.h"
 #include "kernels_simd_float.h"
 #include "kernels_simd_int.h"
 
@@ -27,8 +30,14 @@ namespace {
 
 template <class V>
 void matmul(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, MatmulPath path) {
-  const bool gemm = use_gemm(path, x.m, w.fmt);
+  const bool gemm = use_gemm(path, x.m, w.fmt, V::kBf16Dot);
   const bool bf16_scales = w.scale_type == ScaleType::BF16;
+  if constexpr (V::kBf16Dot) {
+    if (!gemm && x.m <= kMaxGemvTokens) {
+      if (w.fmt == WFormat::BF16) return matmul_bf16_dot_gemv<V, WFormat::BF16>(w, r0, r1, x, y, ldy);
+      if (w.fmt == WFormat::FP8) return matmul_bf16_dot_gemv<V, WFormat::FP8>(w, r0, r1, x, y, ldy);
+    }
+  }
   switch (w.fmt) {
     case WFormat::F32: return matmul_fp<V, WFormat::F32>(w, r0, r1, x, y, ldy, gemm);
     case WFormat::BF16: return matmul_fp<V, WFormat::BF16>(w, r0, r1, x, y, ldy, gemm);

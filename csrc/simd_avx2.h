@@ -11,6 +11,7 @@ namespace hm {
 struct Avx2 {
   static constexpr int W = 8;  // floats per vector
   using F = __m256;
+  static constexpr bool kBf16Dot = false;  // float32 activations for the float formats (see Avx2Bf16Emulated)
 
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float v) { return _mm256_set1_ps(v); }
@@ -85,6 +86,38 @@ struct Avx2 {
   static __m256i dot_i8(__m256i acc, __m256i w, __m256i s) {
     const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(s, s), _mm256_sign_epi8(w, s));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
+  }
+};
+
+// The bf16 dot-product vocabulary of kernels_simd_bf16.h emulated on AVX2 (table "avx2bf16"): the same
+// arithmetic as AVX512-BF16's vdpbf16ps on bf16 vectors B of 2W lanes (lane i of the float32 result sums
+// lanes 2i and 2i + 1), by two FMAs on the even and odd lanes, except that bf16 denormals are kept rather than
+// flushed. It exists to run that code on CPUs without AVX512-BF16 (tests); it is slower than Avx2.
+struct Avx2Bf16Emulated : Avx2 {
+  static constexpr bool kBf16Dot = true;
+  static constexpr int kBf16Tokens = 3;  // tokens per register tile (4 x 3 accumulators, as Avx2)
+  using B = __m256i;
+
+  static B load_b(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  // 2W e4m3fn codes without subnormals -> bf16 bits of value * 2^-120 (sign to bit 15, exponent and mantissa
+  // to the low bits of bf16's), in order.
+  static B fp8_normal_b(const uint8_t* p) {
+    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_and_si256(_mm256_slli_epi16(v, 4), _mm256_set1_epi16(static_cast<short>(0x87F0)));
+  }
+  // 2W e4m3fn codes -> bf16 of value * 2^-8, exact (through IEEE half bits and float32, as load_fp8).
+  static B fp8_exact_b(const uint8_t* p) {
+    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+    const __m256i lo = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtph_ps(_mm256_castsi256_si128(h))), 16);
+    const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))), 16);
+    // packus interleaves 128-bit lanes: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> in order
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+  }
+  static F dot_b(F acc, B a, B b) {
+    const __m256i odd = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    acc = fma(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), acc);
+    return fma(_mm256_castsi256_ps(_mm256_and_si256(a, odd)), _mm256_castsi256_ps(_mm256_and_si256(b, odd)), acc);
   }
 };
 

@@ -12,6 +12,7 @@ namespace hm {
 struct Avx512 {
   static constexpr int W = 16;
   using F = __m512;
+  static constexpr bool kBf16Dot = false;  // float32 activations for the float formats (see Avx512Bf16)
 
   static F zero() { return _mm512_setzero_ps(); }
   static F set1(float v) { return _mm512_set1_ps(v); }
@@ -67,5 +68,34 @@ struct Avx512 {
     return _mm256_dpbusd_epi32(acc, _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))), s);
   }
 };
+
+#ifdef __AVX512BF16__
+// AVX512-BF16 (table "avx512bf16", compiled with -mavx512bf16): bf16 and fp8 weights decoded to bf16 vectors B
+// of 2W lanes and multiplied by bf16 activations with vdpbf16ps (lane i of the float32 result sums the
+// products of lanes 2i and 2i + 1; bf16 denormal inputs count as zero, which the decodes never produce).
+struct Avx512Bf16 : Avx512 {
+  static constexpr bool kBf16Dot = true;
+  // tokens per register tile: 4 x 6 accumulators, the weight vector and the tokens' loads fit 32 registers
+  static constexpr int kBf16Tokens = 6;
+  using B = __m512i;
+
+  static B load_b(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  // 2W e4m3fn codes without subnormals -> bf16 bits of value * 2^-120, in order (see Avx2Bf16Emulated).
+  static B fp8_normal_b(const uint8_t* p) {
+    const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_and_si512(_mm512_slli_epi16(v, 4), _mm512_set1_epi16(static_cast<short>(0x87F0)));
+  }
+  // 2W e4m3fn codes -> bf16 of value * 2^-8, exact (through IEEE half bits and float32).
+  static B fp8_exact_b(const uint8_t* p) {
+    __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    h = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(static_cast<short>(0xBF80)));
+    const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lanes 0-15 from lo, 16-31 from hi
+  }
+  static F dot_b(F acc, B a, B b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+  }
+};
+#endif
 
 }  // namespace hm

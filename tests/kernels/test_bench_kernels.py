@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+import torch
+
 from hybridmoe.bench import kernels as bench
 from hybridmoe.kernels import numa
 
@@ -15,6 +17,8 @@ from hybridmoe.kernels import numa
 def test_bench_writes_the_report(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "SHAPES", {"tiny": (256, 96, 16, 4)})
     monkeypatch.setattr(bench, "QUICK_TOKENS", {"tiny": (1, 9)})
+    monkeypatch.setattr(bench, "POOL_BYTES", {True: 4 << 20, False: 4 << 20})  # 4 MiB: 2 or 3 layers of 16
+    monkeypatch.setattr(bench, "CACHE_MULTIPLE", 0)
     out = tmp_path / "kernels.json"
     assert bench.run(argparse.Namespace(quick=True, json=str(out), formats="fp8,int4,bf16")) == 0
     report = json.loads(out.read_text())
@@ -26,6 +30,7 @@ def test_bench_writes_the_report(tmp_path, monkeypatch):
         for key in ("shape", "weight_gbs", "bandwidth_fraction", "speedup_vs_bf16_torch", "speedup_vs_dequant_torch"):
             assert key in row
         assert row["weight_gbs"] > 0 and row["speedup_vs_bf16_torch"] > 0
+        assert row["layers"] == -(-row["distinct_experts"] // 16) >= 2
         # fractions are of the case's own probes (taken beside it), which the run's best probe bounds
         assert row["bandwidth_fraction"] == pytest.approx(row["weight_gbs"] / row["probe_gbs"])
         assert row["flops_fraction"] == pytest.approx(row["gflops"] / row["probe_gflops"])
@@ -39,3 +44,29 @@ def test_bench_writes_the_report(tmp_path, monkeypatch):
 def test_unknown_formats_are_refused():
     with pytest.raises(SystemExit, match="unknown format"):
         bench.run(argparse.Namespace(quick=True, json=None, formats="fp4"))
+
+
+def test_a_pool_larger_than_a_layer_is_called_as_consecutive_layers():
+    """D = 6 distinct experts of E = 4 per layer: 2 layers, layer 1's experts are pool[4], pool[5], pool[0],
+    pool[1]; each layer's kernel output matches torch on that layer's experts."""
+    source = bench._Bytes()
+    one = bench.ExpertPool("fp8", 128, 32, 4, 1, source).expert_bytes
+    pool = bench.ExpertPool("fp8", 128, 32, 4, 6 * one, source)
+    assert (pool.distinct, pool.num_layers) == (6, 2)
+    assert [pool.expert(1, e) is pool.experts[i] for e, i in enumerate((4, 5, 0, 1))] == [True] * 4
+    assert pool.expert(3, 0) is pool.expert(1, 0)  # layers repeat in turn
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 128, generator=gen).bfloat16()
+    ids, weights = bench._routings(5, 4, 2, 1)[0]
+    outs = []
+    for layer in (0, 1):
+        out = pool.moe(layer, hidden, ids, weights).double()
+        expected = torch.zeros(5, 128, dtype=torch.float64)
+        for t in range(5):
+            for e, w in zip(ids[t].tolist(), weights[t].tolist()):
+                gate, up, down = (m.double() for m in pool.dequantized(layer, e))
+                x = hidden[t].double()
+                expected[t] += w * down @ (torch.nn.functional.silu(gate @ x) * (up @ x))
+        assert ((out - expected).abs().max() / expected.abs().max()).item() < 3e-2
+        outs.append(out)
+    assert not torch.allclose(outs[0], outs[1])

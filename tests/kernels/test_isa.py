@@ -21,16 +21,21 @@ def test_best_available_isa_is_selected_by_default():
     assert available[-1] == "scalar"
     result = _run("from hybridmoe.kernels import isa; print(isa.active_isa())", HYBRIDMOE_ISA="")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == available[0]
+    assert result.stdout.strip() == [name for name in available if isa.auto_selected(name)][0]
+    assert not isa.auto_selected("avx2bf16")  # an emulation: only when forced
 
 
 def test_avx2_path_follows_the_cpu_features():
     features = isa.cpu_features()
     has_avx2 = features["avx"] and features["avx2"] and features["fma"] and features["f16c"]
-    assert ("avx2" in isa.available_isas()) == has_avx2
-    assert ("avx512" in isa.available_isas()) == (features["avx512f"] and features["avx512bw"] and
-                                                  features["avx512vl"] and features["avx512dq"] and
-                                                  features["avx512_vnni"] and has_avx2)
+    has_avx512 = (features["avx512f"] and features["avx512bw"] and features["avx512vl"] and features["avx512dq"]
+                  and features["avx512_vnni"] and has_avx2)
+    available = isa.available_isas()
+    assert ("avx2" in available) == ("avx2bf16" in available) == has_avx2
+    assert ("avx512" in available) == has_avx512
+    assert ("avx512bf16" in available) == (has_avx512 and features["avx512_bf16"])
+    assert {name: isa.bf16_dot(name) for name in available} == {
+        name: name in ("avx512bf16", "avx2bf16") for name in available}
 
 
 @pytest.mark.parametrize("name", isa.available_isas())

@@ -1,12 +1,14 @@
 """Float-format matmul kernels (f32, bf16, f16, fp8 block-scaled) against float64, on every ISA path here:
-GEMV and tiled GEMM paths, odd sizes, partial fp8 blocks, fp8 subnormals and NaN codes."""
+GEMV and tiled GEMM paths, odd sizes, partial fp8 blocks, fp8 subnormals and NaN codes. Where the ISA runs bf16
+and fp8 weights with bf16 dot products (avx512bf16, avx2bf16) the GEMV path is checked against what that
+computes (reference.bf16_dot_matmul: activations rounded to bf16) to the same float32 tolerance."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybridmoe.kernels import reference
+from hybridmoe.kernels import isa, reference
 from hybridmoe.kernels.moe import matmul
 from hybridmoe.kernels.weights import kernel_matrix
 from kernel_testing import random_fp8, random_int, seed
@@ -14,16 +16,32 @@ from kernel_testing import random_fp8, random_int, seed
 SHAPES = [(1, 1), (5, 7), (37, 100), (64, 256), (131, 300)]  # (N rows, K cols)
 # GEMV token tiles of 3, 2 and 1 (3+2, 3+3, 3+2+2); GEMM token blocks of 3 vectors (24 AVX2, 48 AVX-512): 1-3
 # vectors, then more blocks; 70: more than the float GEMV path takes (63), so a forced "gemv" runs the GEMM
+# (the bf16 dot-product GEMV takes 1-6 token tiles on AVX-512: 6+1, 6+6+5, ...)
 TOKENS = [1, 2, 3, 5, 6, 7, 9, 17, 24, 40, 57, 70]
+MAX_GEMV_TOKENS = 63
 
 
-def _check(out: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, rtol: float = 3e-6) -> None:
-    """|out - x @ W^T| <= rtol * (|x| @ |W|^T) elementwise (float32 accumulation of K products)."""
-    ref = x.double() @ w64.T
-    bound = rtol * (x.double().abs() @ w64.abs().T) * (x.shape[1] ** 0.5) + 1e-30
+def _check(out: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, rtol: float = 3e-6, bf16=None,
+           keep: list[int] | None = None) -> None:
+    """|out - x @ W^T| <= rtol * (|x| @ |W|^T) elementwise (float32 accumulation of K products). bf16: the
+    matrix as (fmt, data, scales, block) when the kernel ran with bf16 activations (see _bf16); keep: check
+    only these output columns."""
+    if bf16:
+        ref, size = reference.bf16_dot_matmul(x, *bf16)
+    else:
+        ref, size = x.double() @ w64.T, x.double().abs() @ w64.abs().T
+    if keep is not None:
+        out, ref, size = out[:, keep], ref[:, keep], size[:, keep]
+    bound = rtol * size * (x.shape[1] ** 0.5) + 1e-30
     err = (out.double() - ref).abs()
     assert torch.isfinite(out).all()
     assert (err <= bound).all(), f"max error {err.max().item():.3g}, worst ratio {(err / bound).max().item():.3g}"
+
+
+def _bf16(m, path: str, tokens: int, fmt: str, data, scales=None, block=(128, 128)):
+    """(fmt, data, scales, block) when the active ISA runs this call with bf16 dot products, else None."""
+    gemv = (path == "gemv" and tokens <= MAX_GEMV_TOKENS) or (path == "auto" and tokens < m.gemm_min_tokens)
+    return (fmt, data, scales, block) if isa.bf16_dot() and fmt in ("bf16", "fp8") and gemv else None
 
 
 @pytest.mark.parametrize("fmt,dtype", [("f32", torch.float32), ("bf16", torch.bfloat16), ("f16", torch.float16)])
@@ -35,7 +53,7 @@ def test_dense_formats(each_isa, fmt, dtype, path):
         m = kernel_matrix(fmt, w)
         for tokens in TOKENS:
             x = torch.randn(tokens, cols, generator=gen)
-            _check(matmul(m, x, path), x, w.double())
+            _check(matmul(m, x, path), x, w.double(), bf16=_bf16(m, path, tokens, fmt, w))
 
 
 @pytest.mark.parametrize("block", [(128, 128), (32, 48)])
@@ -48,7 +66,7 @@ def test_fp8_block_scaled(each_isa, block, path):
         m = kernel_matrix("fp8", q, s, block=block)
         for tokens in TOKENS:
             x = torch.randn(tokens, cols, generator=gen)
-            _check(matmul(m, x, path), x, w64)
+            _check(matmul(m, x, path), x, w64, bf16=_bf16(m, path, tokens, "fp8", q, s, block))
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "fp8"])
@@ -76,7 +94,7 @@ def test_fp8_subnormals_decode_exactly(each_isa):
     m = kernel_matrix("fp8", q, s)
     for tokens, path in [(1, "gemv"), (3, "gemv"), (9, "gemm")]:
         x = torch.randn(tokens, 264, generator=gen)
-        _check(matmul(m, x, path), x, w64)
+        _check(matmul(m, x, path), x, w64, bf16=_bf16(m, path, tokens, "fp8", q, s))
 
 
 @pytest.mark.parametrize("path", ["gemv", "gemm"])
@@ -95,11 +113,12 @@ def test_fp8_blocks_with_and_without_subnormals(each_isa, path):
     w64 = reference.dequantize("fp8", q, s, block=(32, 128))
     for tokens in (1, 2, 3, 9):
         x = torch.randn(tokens, cols, generator=gen)
-        _check(matmul(m, x, path), x, w64)
+        _check(matmul(m, x, path), x, w64, bf16=_bf16(m, path, tokens, "fp8", q, s, (32, 128)))
     big_scales = torch.full_like(s, 100.0)
     big = kernel_matrix("fp8", q, big_scales, block=(32, 128))
     x = torch.randn(2, cols, generator=gen) * 1e6  # |x * scale| > 2^24: x * scale * 2^104 overflows
-    _check(matmul(big, x, path), x, reference.dequantize("fp8", q, big_scales, block=(32, 128)))
+    _check(matmul(big, x, path), x, reference.dequantize("fp8", q, big_scales, block=(32, 128)),
+           bf16=_bf16(big, path, 2, "fp8", q, big_scales, (32, 128)))
 
 
 @pytest.mark.parametrize("tokens,path", [(1, "gemv"), (2, "gemv"), (9, "gemm")])
@@ -118,7 +137,7 @@ def test_fp8_nan_codes_give_nan_rows(each_isa, tokens, path):
     assert m.nan_rows == nan_rows
     assert torch.isnan(out[:, nan_rows]).all()
     keep = [r for r in range(50) if r not in nan_rows]
-    _check(out[:, keep], x, reference.dequantize("fp8", q, s)[keep])
+    _check(out, x, reference.dequantize("fp8", q, s), bf16=_bf16(m, path, tokens, "fp8", q, s), keep=keep)
 
 
 def test_rows_of_a_strided_view_are_used_in_place(each_isa):
@@ -159,7 +178,7 @@ def test_auto_path_switches_to_gemm_at_the_format_threshold(each_isa, fmt):
         dtype = torch.float32 if fmt == "f32" else torch.bfloat16
         m = kernel_matrix(fmt, torch.randn(rows, cols, generator=gen).to(dtype))
     threshold = m.gemm_min_tokens
-    assert threshold == {"fp8": 13, "int4": 192, "int8": 192}.get(fmt, 64)
+    assert threshold == {"fp8": 64 if isa.bf16_dot() else 13, "int4": 192, "int8": 192}.get(fmt, 64)
     for tokens, path in [(threshold - 1, "gemv"), (threshold, "gemm")]:
         x = torch.randn(tokens, cols, generator=gen)
         assert torch.equal(matmul(m, x, "auto"), matmul(m, x, path)), f"{tokens} tokens"

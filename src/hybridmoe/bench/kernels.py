@@ -1,13 +1,16 @@
 """`hybridmoe bench kernels [--quick] [--json PATH]`: the C++ fused MoE against this machine's limits and torch.
 
-In one run: the machine's read bandwidth (STREAM-style multi-threaded read of 1 GiB) and FMA peak (register-only
-FMA chains, active ISA), then the fused MoE at DeepSeek-V3 expert shapes (H 7168, I 2048, top-8 of 256) and
-Qwen3-30B-A3B shapes (H 2048, I 768, top-8 of 128) for T tokens, in each format (fp8, int4, int8, bf16). The
-layer's experts alias a pool of distinct weights much larger than the caches, and each repeat draws a new
-routing, so weights stream from memory as in decode. Side by side, on the same routing: torch bf16 matmul on
+In one run: the machine's read bandwidth (STREAM-style multi-threaded read of 1 GiB, or 4x the last-level
+cache where that is larger) and FMA peak (register-only FMA chains, active ISA), then the fused MoE at
+DeepSeek-V3 expert shapes (H 7168, I 2048, top-8 of 256) and Qwen3-30B-A3B shapes (H 2048, I 768, top-8 of 128)
+for T tokens, in each format (fp8, int4, int8, bf16). The experts come from a pool of distinct weights much
+larger than the caches (1 GiB, 256 MiB with --quick, or 4x the last-level cache where that is larger): as many
+layers of E experts as the pool fills, called in turn as a model's layers are (the Qwen3 shapes' 128 experts
+hold 300-600 MB, which a server's last-level cache can nearly hold), and each repeat draws a new routing, so
+weights stream from memory as in decode. Side by side, on the same layers and routing: torch bf16 matmul on
 pre-converted weights, and torch dequantise-then-matmul of the format's weights.
 
-The bandwidth probe's 1 GiB comes from numpy, which asks for transparent huge pages; the experts are torch
+The bandwidth probe's buffer comes from numpy, which asks for transparent huge pages; the experts are torch
 tensors read in place (on 4 KB pages where THP is "madvise", as on most distributions), unless
 HYBRIDMOE_COPY_EXPERTS=1 has the kernels copy them at load onto huge pages (expert_memory in the JSON).
 
@@ -20,7 +23,8 @@ and bandwidth_fraction_of_best / flops_fraction_of_best give the fractions of th
 baseline would take too long (many active experts), it is timed on the first experts and scaled to all of them
 (dequant_torch_estimated: true).
 
-Legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, D distinct expert weights in the pool.
+Legend: T tokens, H hidden, I expert intermediate, E experts, K top-k, D distinct expert weights in the pool,
+L layers (D / E rounded up).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.bench.costmodel import last_level_cache_bytes
+
 from hybridmoe.kernels import _native, formats, isa, numa
 from hybridmoe.kernels.moe import FusedMoE
 
@@ -44,6 +50,8 @@ QUICK_TOKENS = {"deepseek-v3": (1, 4), "qwen3-30b-a3b": (1, 4, 32, 256)}
 FORMATS = ("fp8", "int4", "int8", "bf16")
 INT_GROUP = 32
 BANDWIDTH_BYTES = 1 << 30
+POOL_BYTES = {False: 1 << 30, True: 256 << 20}  # by quick: the least expert pool
+CACHE_MULTIPLE = 4  # the probe's buffer and the pools are at least this many times the last-level cache
 # where the kernels read the experts (numa.topology()["copy_shards"]; HYBRIDMOE_COPY_EXPERTS=1 copies them)
 EXPERT_MEMORY = {False: "read in place", True: "copied at load onto huge pages"}
 DEQUANT_MAX_EXPERTS = {False: 8, True: 2}  # by quick: experts the dequantise baseline times per call, then scales
@@ -104,35 +112,46 @@ def _matrix(fmt: str, rows: int, cols: int, source: _Bytes, gen: torch.Generator
     return source.take(rows * kp, _no_128).view(torch.int8).view(rows, kp), scales
 
 
+def pool_bytes(quick: bool) -> int:
+    """The expert pool of a shape and format: POOL_BYTES, or CACHE_MULTIPLE x the last-level cache if larger."""
+    return max(POOL_BYTES[quick], CACHE_MULTIPLE * last_level_cache_bytes())
+
+
 class ExpertPool:
-    """D distinct experts in one format; the layer's E experts alias them (expert e -> pool[e % D])."""
+    """D distinct experts in one format, as L = ceil(D / E) layers of E experts (layer l's expert e is
+    pool[(l * E + e) % D]); `moe(layer, ...)` calls layer `layer % L`."""
 
     def __init__(self, fmt: str, hidden: int, inter: int, num_experts: int, pool_bytes: int, source: _Bytes):
         gen = torch.Generator().manual_seed(1)
-        self.fmt, self.hidden, self.inter = fmt, hidden, inter
-        first = [_matrix(fmt, r, c, source, gen) for r, c in ((inter, hidden), (inter, hidden), (hidden, inter))]
+        self.fmt, self.hidden, self.inter, self.num_experts = fmt, hidden, inter, num_experts
+        shapes = ((inter, hidden), (inter, hidden), (hidden, inter))  # gate, up, down
+        first = [_matrix(fmt, r, c, source, gen) for r, c in shapes]
         self.expert_bytes = sum(t.numel() * t.element_size() for m in first for t in m if t is not None)
-        distinct = max(1, min(num_experts, math.ceil(pool_bytes / self.expert_bytes)))
-        self.experts = [first] + [[_matrix(fmt, r, c, source, gen) for r, c in ((inter, hidden), (inter, hidden),
-                                                                                (hidden, inter))]
-                                  for _ in range(distinct - 1)]
-        pick = [self.experts[e % distinct] for e in range(num_experts)]
-        kernel_fmt = fmt
+        self.distinct = max(1, math.ceil(pool_bytes / self.expert_bytes))
+        self.experts = [first] + [[_matrix(fmt, r, c, source, gen) for r, c in shapes]
+                                  for _ in range(self.distinct - 1)]
+        self.num_layers = math.ceil(self.distinct / num_experts)
+        self.layers = [self._layer(layer) for layer in range(self.num_layers)]
+
+    def _layer(self, layer: int) -> FusedMoE:
+        pick = [self.expert(layer, e) for e in range(self.num_experts)]
         scales = {}
         if pick[0][0][1] is not None:
             scales = dict(gate_scale=[p[0][1] for p in pick], up_scale=[p[1][1] for p in pick],
                           down_scale=[p[2][1] for p in pick])
-        self.moe = FusedMoE(kernel_fmt, [p[0][0] for p in pick], [p[1][0] for p in pick], [p[2][0] for p in pick],
-                            **scales, hidden_size=hidden, intermediate_size=inter)
-        self.distinct = distinct
+        return FusedMoE(self.fmt, [p[0][0] for p in pick], [p[1][0] for p in pick], [p[2][0] for p in pick],
+                        **scales, hidden_size=self.hidden, intermediate_size=self.inter)
 
-    def expert(self, e: int):
-        return self.experts[e % self.distinct]
+    def expert(self, layer: int, e: int):
+        return self.experts[((layer % self.num_layers) * self.num_experts + e) % self.distinct]
 
-    def dequantized(self, e: int) -> list[torch.Tensor]:
+    def moe(self, layer: int, hidden, ids, weights) -> torch.Tensor:
+        return self.layers[layer % self.num_layers](hidden, ids, weights)
+
+    def dequantized(self, layer: int, e: int) -> list[torch.Tensor]:
         """The expert's (gate, up, down) dequantised to bf16 with torch, as a dequantise-then-matmul path does."""
         out = []
-        for (data, scales), cols in zip(self.expert(e), (self.hidden, self.hidden, self.inter)):
+        for (data, scales), cols in zip(self.expert(layer, e), (self.hidden, self.hidden, self.inter)):
             if self.fmt == "bf16":
                 out.append(data)
             elif self.fmt == "fp8":
@@ -157,11 +176,13 @@ def _routings(tokens: int, num_experts: int, top_k: int, count: int) -> list[tup
 
 
 def _median_time(call, routings, hidden) -> float:
-    call(hidden, *routings[0])  # warm-up
+    """Median seconds of call(layer, hidden, ids, weights) over the routings after the first (a warm-up), the
+    i-th routing on layer i."""
+    call(0, hidden, *routings[0])
     times = []
-    for ids, weights in routings[1:]:
+    for layer, (ids, weights) in enumerate(routings[1:], 1):
         start = time.perf_counter()
-        call(hidden, ids, weights)
+        call(layer, hidden, ids, weights)
         times.append(time.perf_counter() - start)
     return float(np.median(times))
 
@@ -182,12 +203,13 @@ def _torch_moe(expert_weights, hidden, ids, weights, limit: int | None = None) -
 # ---- the run ---------------------------------------------------------------------------------------------
 
 class MachineProbe:
-    """This machine's read bandwidth (GB/s over 1 GiB, the kernels' threads, best of a few passes) and FMA peak
+    """This machine's read bandwidth (GB/s over 1 GiB or 4x the last-level cache, the kernels' threads, best of a
+    few passes) and FMA peak
     (GFLOP/s of register-only FMA chains, active ISA); every measurement is kept, so that the run can report
     the best of them."""
 
     def __init__(self):
-        self.buffer = np.ones(BANDWIDTH_BYTES // 8, dtype=np.uint64)
+        self.buffer = np.ones(max(BANDWIDTH_BYTES, CACHE_MULTIPLE * last_level_cache_bytes()) // 8, dtype=np.uint64)
         self.bandwidths: list[float] = []
         self.peaks: list[float] = []
 
@@ -208,24 +230,24 @@ class MachineProbe:
 def bench_shape(name: str, fmts: list[str], quick: bool, probe: MachineProbe, log=print) -> list[dict]:
     hidden, inter, num_experts, top_k = SHAPES[name]
     tokens_list = QUICK_TOKENS[name] if quick else TOKENS
-    pool_bytes = (256 if quick else 1024) << 20
     repeats = 4 if quick else 8
     source = _Bytes()
     flops_per_pair = 2 * 3 * hidden * inter
-    bf16_pool = ExpertPool("bf16", hidden, inter, num_experts, pool_bytes, source)
+    bf16_pool = ExpertPool("bf16", hidden, inter, num_experts, pool_bytes(quick), source)
     routing = {t: _routings(t, num_experts, top_k, 1 + (repeats if t < 256 else max(2, repeats // 3)))
                for t in tokens_list}
     hid = {t: torch.randn(t, hidden).bfloat16() for t in tokens_list}
-    torch_bf16 = {t: _median_time(lambda h, i, w: _torch_moe(lambda e: [m[0] for m in bf16_pool.expert(e)], h, i, w),
-                                  routing[t], hid[t]) for t in tokens_list}
+    torch_bf16 = {t: _median_time(lambda layer, h, i, w: _torch_moe(
+                      lambda e: [m[0] for m in bf16_pool.expert(layer, e)], h, i, w), routing[t], hid[t])
+                  for t in tokens_list}
     results = []
     for fmt in fmts:
-        pool = bf16_pool if fmt == "bf16" else ExpertPool(fmt, hidden, inter, num_experts, pool_bytes, source)
+        pool = bf16_pool if fmt == "bf16" else ExpertPool(fmt, hidden, inter, num_experts, pool_bytes(quick), source)
         # the kernels first, then torch: torch's OpenMP threads keep spinning a while after each call
         # each case between two probes (one case's probe after is the next one's before)
         kernel_seconds, probes, before = {}, {}, probe.beside()
         for t in tokens_list:
-            kernel_seconds[t] = _median_time(lambda h, i, w: pool.moe(h, i, w), routing[t], hid[t])
+            kernel_seconds[t] = _median_time(pool.moe, routing[t], hid[t])
             after = probe.beside()
             probes[t] = (max(before[0], after[0]), max(before[1], after[1]))
             before = after
@@ -239,6 +261,7 @@ def bench_shape(name: str, fmts: list[str], quick: bool, probe: MachineProbe, lo
                    "gflops": flops_per_pair * t * top_k / seconds / 1e9,
                    "speedup_vs_bf16_torch": torch_bf16[t] / seconds, "speedup_vs_dequant_torch": dequant / seconds,
                    "dequant_torch_estimated": estimated, "distinct_experts": pool.distinct,
+                   "layers": pool.num_layers,
                    "probe_gbs": probes[t][0], "probe_gflops": probes[t][1]}
             row["bandwidth_fraction"] = gbs / probes[t][0]
             row["flops_fraction"] = row["gflops"] / probes[t][1]
@@ -256,10 +279,10 @@ def _dequant_time(pool: ExpertPool, routings, hidden, same_as: float | None, max
     if same_as is not None:
         return same_as, False
     times, estimated = [], False
-    for ids, weights in routings[1:1 + runs]:
+    for layer, (ids, weights) in enumerate(routings[1:1 + runs], 1):
         active = ids.unique().numel()
         start = time.perf_counter()
-        done = _torch_moe(pool.dequantized, hidden, ids, weights, limit=max_experts)
+        done = _torch_moe(lambda e: pool.dequantized(layer, e), hidden, ids, weights, limit=max_experts)
         times.append((time.perf_counter() - start) * active / done)
         estimated |= done < active
     return float(np.median(times)), estimated
@@ -288,7 +311,9 @@ def run(args) -> int:
     probe = MachineProbe()
     opening = probe.full(args.quick)
     copied = numa.topology()["copy_shards"]
-    print(f"ISA {isa.active_isa()}, {threads} threads; read bandwidth {opening[0]:.1f} GB/s (1 GiB, all threads); "
+    print(f"ISA {isa.active_isa()}, {threads} threads; read bandwidth {opening[0]:.1f} GB/s "
+          f"({probe.buffer.nbytes / 2**30:.2f} GiB, all threads; last-level cache {last_level_cache_bytes() >> 20} "
+          f"MiB); "
           f"FMA peak {opening[1]:.1f} GFLOP/s; experts {EXPERT_MEMORY[copied]}; the fused MoE, case by case:")
     results = []
     for name in SHAPES:
@@ -311,7 +336,8 @@ def run(args) -> int:
         report = {"memory_bandwidth_gbs": bandwidth, "peak_fma_gflops": peak, "isa": isa.active_isa(),
                   "memory_bandwidth_gbs_probes": probe.bandwidths, "peak_fma_gflops_probes": probe.peaks,
                   "threads": threads, "cpus": os.cpu_count(), "quick": bool(args.quick),
-                  "expert_memory": EXPERT_MEMORY[copied],
+                  "expert_memory": EXPERT_MEMORY[copied], "last_level_cache_bytes": last_level_cache_bytes(),
+                  "bandwidth_probe_bytes": probe.buffer.nbytes, "pool_bytes": pool_bytes(args.quick),
                   "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results}
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")

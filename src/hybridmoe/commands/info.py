@@ -46,7 +46,13 @@ def run(args) -> int:
         print(f"kernel ISA: {active}" + (f" (forced by HYBRIDMOE_ISA={forced})" if forced else " (best available)"))
     for name in isa.all_isas():
         reason = isa.unavailable_reason(name)
-        print(f"  {name:7s} {'available' if not reason else 'unavailable: ' + reason}")
+        notes = []
+        if not reason and isa.bf16_dot(name):
+            notes.append("bf16 dot products for bf16/fp8 weights, activations rounded to bf16")
+        if not reason and not isa.auto_selected(name):
+            notes.append("emulated, for tests: only when forced")
+        status = "available" + (f" ({'; '.join(notes)})" if notes else "") if not reason else "unavailable: " + reason
+        print(f"  {name:10s} {status}")
     features = isa.cpu_features()
     print("CPU features: " + " ".join(f"{k}{'+' if v else '-'}" for k, v in features.items()))
     cpus = isa.thread_cpus()

@@ -1,8 +1,10 @@
 """Which kernel ISA runs, what the CPU offers, and the kernels' thread pool.
 
-The best ISA the CPU and the build support runs (avx512 > avx2 > scalar); HYBRIDMOE_ISA=scalar|avx2|avx512
-forces one (an unusable value raises ValueError naming the missing CPU features). HYBRIDMOE_NUM_THREADS sets
-the pool size (default: the CPUs this process may use).
+The best ISA the CPU and the build support runs (avx512bf16 > avx512 > avx2 > scalar);
+HYBRIDMOE_ISA=scalar|avx2|avx2bf16|avx512|avx512bf16 forces one (an unusable value raises ValueError naming the
+missing CPU features). avx512bf16 runs bf16 and fp8 weights with bf16 dot products (activations rounded to
+bf16); avx2bf16 emulates those on AVX2 to test them anywhere and is never chosen by itself.
+HYBRIDMOE_NUM_THREADS sets the pool size (default: the CPUs this process may use).
 """
 
 from __future__ import annotations
@@ -26,6 +28,17 @@ def available_isas() -> list[str]:
 def unavailable_reason(name: str) -> str:
     """Why `name` cannot run here ("" when it can)."""
     return _native.isa_unavailable_reason(name)
+
+
+def auto_selected(name: str) -> bool:
+    """Whether `name` may run without being forced (False for avx2bf16, an emulation kept for tests)."""
+    return _native.isa_auto_selected(name)
+
+
+def bf16_dot(name: str | None = None) -> bool:
+    """Whether ISA `name` (default: the active one) rounds the activations of bf16 and fp8 weight matmuls to
+    bf16 and multiplies them with bf16 dot products; ValueError if it cannot run here."""
+    return _native.isa_bf16_dot(name or active_isa())
 
 
 def active_isa() -> str:

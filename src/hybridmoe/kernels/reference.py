@@ -36,6 +36,34 @@ def int_matmul_reference(fmt: str, data: torch.Tensor, scales: torch.Tensor, col
     return (sums.double() * scales.double()[None] * xs.double()[:, None, :]).sum(-1)  # [M, N]
 
 
+def bf16_dot_matmul(x: torch.Tensor, fmt: str, data: torch.Tensor, scales: torch.Tensor | None = None,
+                    block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the bf16 dot-product kernels (ISAs avx512bf16, avx2bf16; GEMV path) compute, in float64, with the
+    size of its terms: (x @ W^T, |x| @ |W|^T) [M, N] where for bf16 weights x is rounded to bf16, and for fp8
+    the codes' values multiply x * (the block's scale) rounded to bf16 per (row block, column block), the
+    product taken in float32 as the kernels do."""
+    if fmt == "bf16":
+        xe, w = x.float().bfloat16().double(), data.double()  # [M, K], [N, K]
+        return xe @ w.T, xe.abs() @ w.abs().T
+    if fmt != "fp8":
+        raise ValueError(f"the bf16 dot-product kernels take bf16 and fp8 weights, not {fmt!r}")
+    values = fp8_values(data)  # [N, K]
+    rows, cols = values.shape
+    column_scales = scales.float().repeat_interleave(block[1], 1)[:, :cols]  # [N / b0, K]
+    out = torch.empty(x.shape[0], rows, dtype=torch.float64)
+    size = torch.empty_like(out)
+    for rb in range(scales.shape[0]):
+        r = slice(rb * block[0], min(rows, (rb + 1) * block[0]))
+        xe = (x.float() * column_scales[rb]).bfloat16().double()  # [M, K]
+        out[:, r], size[:, r] = xe @ values[r].T, xe.abs() @ values[r].abs().T
+    return out, size
+
+
+def fp8_values(data: torch.Tensor) -> torch.Tensor:
+    """The values of fp8 e4m3fn codes (float8_e4m3fn or uint8) as float64, no scales."""
+    return formats.fp8_e4m3_values()[data.view(torch.uint8).long()]
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x))
 

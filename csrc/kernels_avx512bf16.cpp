@@ -1,0 +1,14 @@
+// The AVX-512 kernel table with AVX512-BF16 (compiled with the AVX-512 flags and -mavx512bf16, selected only on
+// CPUs with all of them): as kernels_avx512.cpp, with bf16 dot products for bf16 and fp8 weights.
+#include "simd_avx512.h"
+#include "kernels_simd.h"
+
+namespace hm {
+
+const KernelTable* kernels_avx512bf16() {
+  static const KernelTable table = {"avx512bf16", true, &matmul<Avx512Bf16>, &silu_mul<Avx512>, &read_sum,
+                                    &fma_peak<Avx512>};
+  return &table;
+}
+
+}  // namespace hm

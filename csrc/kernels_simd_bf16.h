@@ -1,0 +1,186 @@
+// The BF16 dot-product GEMV of kernels_simd.h, for bf16 and fp8 weights in the tables whose vocabulary has
+// kBf16Dot (avx512bf16: vdpbf16ps; avx2bf16: the same arithmetic emulated by two FMAs, to test this code on
+// CPUs without AVX512-BF16). The activations are rounded to bf16 once per call (bf16 hidden states are
+// unchanged by it); the weights are decoded to bf16 in registers, 2W at a time (fp8 codes exactly: by bit
+// placement, value * 2^-120, for column blocks free of subnormal codes; through IEEE half bits otherwise),
+// and each instruction sums the products of W pairs into W float32 lanes: twice the multiply-adds of an FMA
+// for each vector of decoded weights. fp8 block scales are folded into the activations' bf16 copy per row
+// block, as in the float32 GEMV (kernels_simd_float.h).
+//
+// Legend: M tokens, K input features, R rows per register tile, MT tokens per register tile, W float lanes,
+// L = 2W bf16 lanes.
+#pragma once
+
+#include "kernels_simd_float.h"
+
+namespace hm {
+namespace {
+
+// The bf16 lanes of one vector, a multiple of which every bf16 activation row holds past its last column
+// (a step that starts at a column block's first column may read up to L - 1 columns beyond K).
+template <class V>
+constexpr I64 bf16_row_length(I64 K) {
+  constexpr I64 L = 2 * V::W;
+  return (K + 2 * L - 1) / L * L;
+}
+
+template <class V, WFormat F>
+inline typename V::B decode_b(const uint8_t* p) {
+  if constexpr (F == WFormat::BF16) return V::load_b(reinterpret_cast<const uint16_t*>(p));
+  else if constexpr (F == kFp8Normal) return V::fp8_normal_b(p);
+  else return V::fp8_exact_b(p);
+}
+
+// acc[i][j] += sum over k in [k0, k1) of W[row i][k] * xb[token j][k], L weights a step; a partial last step
+// reads its weights through a zero-padded copy. next: as in accumulate (kernels_simd_float.h).
+template <class V, WFormat F, int R, int MT>
+inline void accumulate_b(const uint8_t* const* rowp, I64 k0, I64 k1, const uint16_t* const* xr,
+                         typename V::F (&acc)[R][MT], const uint8_t* next) {
+  constexpr int L = 2 * V::W;
+  constexpr I64 B = bytes_per_weight<F>();
+  I64 k = k0;
+  for (; k + L <= k1; k += L) {
+    if (next) prefetch_bytes<R * L * B>(next + k * R * B);
+    for (int i = 0; i < R; ++i) {
+      const typename V::B w = decode_b<V, F>(rowp[i] + k * B);
+      for (int j = 0; j < MT; ++j) acc[i][j] = V::dot_b(acc[i][j], w, V::load_b(xr[j] + k));
+    }
+  }
+  if (k < k1) {
+    alignas(64) uint8_t tail[L * B];
+    for (int i = 0; i < R; ++i) {
+      std::memset(tail, 0, sizeof(tail));
+      std::memcpy(tail, rowp[i] + k * B, static_cast<size_t>((k1 - k) * B));
+      const typename V::B w = decode_b<V, F>(tail);
+      for (int j = 0; j < MT; ++j) acc[i][j] = V::dot_b(acc[i][j], w, V::load_b(xr[j] + k));
+    }
+  }
+}
+
+// out[i][j] = W[row i] . x[token j] for one tile (R rows x MT tokens). bf16 weights: one pass over the rows.
+// fp8: per column block, the bit-placement decode against xfast, or, where a row of the tile has a subnormal
+// code in the block, the exact decode against xexact (both products * 2^-16); xfast == nullptr: exact
+// everywhere.
+template <class V, WFormat F, int R, int MT>
+inline void bf16_dot_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows, const uint16_t* const* xfast,
+                          const uint16_t* const* xexact, float (&out)[R][MT], const uint8_t* next) {
+  typename V::F acc[R][MT];
+  zero_and_finish<V, R, MT>(acc, out, false);
+  if constexpr (F == WFormat::BF16) {
+    accumulate_b<V, WFormat::BF16, R, MT>(rowp, 0, w.cols, xfast, acc, next);
+  } else {
+    uint8_t flags = 0;
+    for (int i = 0; i < R; ++i) flags |= w.row_flags[rows[i]];
+    if (xfast && !(flags & kRowHasSubnormal)) {
+      accumulate_b<V, kFp8Normal, R, MT>(rowp, 0, w.cols, xfast, acc, next);
+    } else {
+      for (I64 k0 = 0, kb = 0; k0 < w.cols; k0 += w.block_cols, ++kb) {
+        const I64 k1 = imin(w.cols, k0 + w.block_cols);
+        bool exact = xfast == nullptr;
+        for (int i = 0; i < R; ++i) exact |= block_has_subnormal(w, rows[i], kb);
+        if (exact) accumulate_b<V, WFormat::FP8, R, MT>(rowp, k0, k1, xexact, acc, next);
+        else accumulate_b<V, kFp8Normal, R, MT>(rowp, k0, k1, xfast, acc, next);
+      }
+    }
+  }
+  zero_and_finish<V, R, MT>(acc, out, true);
+}
+
+// fn(TokenTile<n>{}, m) for n = the first of MT, MT - 1, ..., 1 that equals `tokens`.
+template <int MT, class Fn>
+inline void token_tile_of(I64 tokens, I64 m, Fn& fn) {
+  if constexpr (MT == 1) {
+    fn(TokenTile<1>{}, m);
+  } else {
+    if (tokens == MT) fn(TokenTile<MT>{}, m);
+    else token_tile_of<MT - 1>(tokens, m, fn);
+  }
+}
+
+// Token tiles of up to MaxMT tokens over M tokens (each decoded weight vector serves a whole tile).
+template <int MaxMT, class Fn>
+inline void for_each_token_tile_upto(I64 M, Fn&& fn) {
+  for (I64 m = 0; m < M; m += MaxMT) token_tile_of<MaxMT>(imin(MaxMT, M - m), m, fn);
+}
+
+// f rounded to bf16 (nearest even; NaN stays a quiet NaN), branch-free so that loops over it vectorise.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
+}
+
+// Rows x[m] * s[column block] * unscale rounded to bf16 into dst (M rows of ld, zero past K; s == nullptr: 1
+// everywhere); false when a finite product became infinite (overflowed float32 or bf16's range).
+inline bool bf16_activations(const Matrix& w, const float* srow, const Activations& x, float unscale, uint16_t* dst,
+                             I64 ld, const uint16_t** rows) {
+  const I64 K = w.cols, bc = srow ? w.block_cols : K;
+  int overflow = 0;  // branch-free, so that the loop vectorises
+  for (I64 m = 0; m < x.m; ++m) {
+    uint16_t* out = dst + m * ld;
+    const float* src = x_row(x, m);
+    for (I64 kb = 0; kb < K; kb += bc) {
+      const float s = (srow ? srow[kb / bc] : 1.0f) * unscale;
+      const I64 ke = imin(K, kb + bc);
+      for (I64 k = kb; k < ke; ++k) {
+        const uint16_t b = bf16_bits(src[k] * s);
+        out[k] = b;
+        overflow |= static_cast<int>((b & 0x7FFF) == 0x7F80) & static_cast<int>(std::fabs(src[k]) <= FLT_MAX);
+      }
+    }
+    for (I64 k = K; k < ld; ++k) out[k] = 0;
+    rows[m] = out;
+  }
+  return !overflow;
+}
+
+// The GEMV path with bf16 dot products: whole rows, tiles of 4 rows x up to V::kBf16Tokens tokens.
+template <class V, WFormat F>
+void matmul_bf16_dot_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
+  constexpr int R = 4;
+  constexpr I64 B = bytes_per_weight<F>();
+  const I64 K = w.cols, M = x.m, ld = bf16_row_length<V>(K);
+  const uint16_t* fast_rows[kMaxGemvTokens];
+  const uint16_t* exact_rows[kMaxGemvTokens] = {};
+  uint16_t* buf = reinterpret_cast<uint16_t*>(scratch_floats(M * ld));  // two bf16 copies: fast, exact
+  const float output_scale = F == WFormat::FP8 ? kFp8NormalOutput : 1.0f;
+  for (I64 s0 = r0; s0 < r1;) {
+    const I64 s1 = segment_end(w, s0, r1);  // bf16: all rows; fp8: the rows of one scale row block
+    const float* srow = nullptr;
+    bool fast = true, exact_ready = false;
+    if constexpr (F == WFormat::FP8) {
+      srow = static_cast<const float*>(w.scales) + (s0 / w.block_rows) * w.scale_stride;
+      fast = bf16_activations(w, srow, x, kFp8NormalUnscale, buf, ld, fast_rows);
+    } else {
+      bf16_activations(w, nullptr, x, 1.0f, buf, ld, fast_rows);
+    }
+    for (I64 r = s0; r < s1; r += R) {
+      const uint8_t* rowp[R];
+      I64 rows[R];
+      uint8_t flags = 0;
+      for (int i = 0; i < R; ++i) {
+        rows[i] = imin(r + i, s1 - 1);  // a short tile repeats its last row (not stored)
+        rowp[i] = w.data + rows[i] * w.row_bytes;
+        if constexpr (F == WFormat::FP8) flags |= w.row_flags[rows[i]];
+      }
+      if (F == WFormat::FP8 && (!fast || (flags & kRowHasSubnormal)) && !exact_ready) {
+        bf16_activations(w, srow, x, kFp8ExactUnscale, buf + M * ld, ld, exact_rows);
+        exact_ready = true;
+      }
+      const uint8_t* next = next_tile_rows(w, r, r1, R, K * B);
+      for_each_token_tile_upto<V::kBf16Tokens>(M, [&](auto tile, I64 m) {
+        constexpr int MT = decltype(tile)::kTokens;
+        float o[R][MT];
+        bf16_dot_tile<V, F, R, MT>(w, rowp, rows, fast ? fast_rows + m : nullptr, exact_rows + m, o,
+                                   m == 0 ? next : nullptr);
+        store_tile<R, MT>(y, ldy, m, r - r0, imin(R, s1 - r), true, o, output_scale);
+      });
+    }
+    s0 = s1;
+  }
+  if constexpr (F == WFormat::FP8) set_nan_rows(w, r0, r1, M, y, ldy);
+}
+
+}  // namespace
+}  // namespace hm
