@@ -64,7 +64,7 @@ def test_submit_returns_before_wait_and_handles_complete_in_any_order():
     for batch, handle in reversed(list(zip(batches, handles))):
         out = moe.wait(handle)
         assert handle.done()
-        assert _error(out, reference.moe_reference(*batch, exact)) < 2e-5
+        assert _error(out, reference.moe_reference(*batch, exact)) < 2e-5 + bf16_activation_tolerance("bf16")
     abandoned = moe.submit(*batches[0])
     del abandoned  # dropped unfinished: waits for the kernels before its arrays go
 

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from hybridmoe.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8, write_fp8_checkpoint
 from hybridmoe.checkpoint.safetensors_reader import CheckpointReader
+from hybridmoe.kernels import isa
 from hybridmoe.models.loader import load_model
 from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
 
@@ -59,5 +60,6 @@ def test_fp8_forward_matches_float64_block_dequantised_reference(tiny_model_dir,
     ours = runner.forward([SequenceChunk(prompts[0], 0, [0, 1]), SequenceChunk(prompts[1], 0, [2])], all_logits=True)
     ref = torch.cat([reference(torch.tensor([p])).logits[0] for p in prompts]).float()
     err = (ours - ref).abs().max() / ref.abs().max()
-    # the issue asks for 2e-2; both backends reach ~1e-6 (float32 arithmetic on the same FP8 values)
-    assert err < 1e-4, f"relative error {err:.2e}"
+    # the issue asks for 2e-2; both backends reach ~1e-6 (float32 arithmetic on the same FP8 values), the CPU
+    # kernels ~3e-3 where their ISA rounds activations to bf16 (bf16 dot products: avx512bf16, avx2bf16)
+    assert err < (1e-2 if backend == "cpu" and isa.bf16_dot() else 1e-4), f"relative error {err:.2e}"

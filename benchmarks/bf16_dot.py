@@ -1,0 +1,80 @@
+"""Where bf16 dot products pay: one matrix's GEMV, float32 activations (ISA A) against bf16 dot products (ISA B),
+alternating in one process, on 1 thread and on all threads, with the rows in cache and streamed from memory.
+
+    python benchmarks/bf16_dot.py [--isas avx512,avx512bf16] [--formats fp8,bf16] [--tokens 1,6,8,24]
+
+Prints GFLOP/s per (format, tokens, threads, residency) for each ISA and B's speedup over A (median of the
+alternating rounds). Shapes: DeepSeek-V3's expert gate (2048 x 7168). "cache": 256 rows (1.8 MB of fp8) called
+again and again; "memory": a pool of 1 GiB or 4x the last-level cache, the rows of each call new.
+
+Legend: M tokens, N rows, K columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from hybridmoe.bench.costmodel import last_level_cache_bytes
+from hybridmoe.bench.kernels import _Bytes, _matrix
+from hybridmoe.kernels import isa
+from hybridmoe.kernels.moe import matmul
+from hybridmoe.kernels.weights import kernel_matrix
+
+N, K = 2048, 7168
+
+
+def _matrices(fmt: str, rows: int, count: int) -> list:
+    source, gen = _Bytes(), torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        data, scales = _matrix(fmt, rows, K, source, gen)
+        out.append(kernel_matrix(fmt, data, scales) if scales is not None else kernel_matrix(fmt, data))
+    return out
+
+
+def _gflops(mats: list, x: torch.Tensor, seconds: float = 0.2) -> float:
+    rows = mats[0].rows
+    calls, start, i = 0, time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        matmul(mats[i % len(mats)], x, "gemv")
+        calls, i = calls + 1, i + 1
+    return 2.0 * rows * K * x.shape[0] * calls / (time.perf_counter() - start) / 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--isas", default="avx512,avx512bf16")
+    p.add_argument("--formats", default="fp8,bf16")
+    p.add_argument("--tokens", default="1,6,8,24")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    a, b = args.isas.split(",")
+    all_threads = isa.num_threads()
+    pool_bytes = max(1 << 30, 4 * last_level_cache_bytes())
+    print(f"{'format':6s} {'M':>3s} {'threads':>7s} {'rows in':>7s} {a + ' GFLOP/s':>18s} {b + ' GFLOP/s':>18s} "
+          f"{'speedup':>7s}")
+    for fmt in args.formats.split(","):
+        bytes_per_row = K * (1 if fmt == "fp8" else 2)
+        residency = {"cache": _matrices(fmt, 256, 1), "memory": _matrices(fmt, N, pool_bytes // (N * bytes_per_row))}
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            x = torch.randn(tokens, K)
+            for threads in (1, all_threads):
+                isa.configure_threads(threads)
+                for where, mats in residency.items():
+                    rates = {a: [], b: []}
+                    for _ in range(args.rounds):
+                        for name in (a, b):
+                            with isa.use_isa(name):
+                                rates[name].append(_gflops(mats, x))
+                    ra, rb = statistics.median(rates[a]), statistics.median(rates[b])
+                    print(f"{fmt:6s} {tokens:3d} {threads:7d} {where:>7s} {ra:18.1f} {rb:18.1f} {rb / ra:6.2f}x",
+                          flush=True)
+    isa.configure_threads(all_threads)
+
+
+if __name__ == "__main__":
+    main()
