@@ -1,6 +1,6 @@
 // CPU feature detection (cpuid + OS register-state support) and the run-time choice of kernel ISA.
 // HYBRIDMOE_ISA=scalar|avx2|avx2bf16|avx512|avx512bf16 forces one; otherwise the best one the CPU and the build
-// support runs (never avx2bf16: it emulates AVX512-BF16's dot products on AVX2, for tests).
+// support runs among avx512, avx2, scalar (the bf16 dot-product tables only when forced: see isa_auto_selected).
 #pragma once
 
 #include <string>
@@ -23,7 +23,7 @@ std::vector<std::pair<std::string, bool>> cpu_feature_list();
 
 // ISAs in order of preference, each with whether this CPU can run it and this build has it.
 std::vector<std::string> isa_names();  // {"avx512bf16", "avx512", "avx2", "avx2bf16", "scalar"}
-bool isa_auto_selected(const std::string& name);  // false for emulations (avx2bf16)
+bool isa_auto_selected(const std::string& name);  // false for avx512bf16 and avx2bf16
 bool isa_compiled(const std::string& name);
 // Empty if `name` can run here; otherwise why not (names the missing features).
 std::string isa_unavailable_reason(const std::string& name);

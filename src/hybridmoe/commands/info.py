@@ -49,8 +49,10 @@ def run(args) -> int:
         notes = []
         if not reason and isa.bf16_dot(name):
             notes.append("bf16 dot products for bf16/fp8 weights, activations rounded to bf16")
+        if name == "avx2bf16" and not reason:
+            notes.append("emulated, for tests")
         if not reason and not isa.auto_selected(name):
-            notes.append("emulated, for tests: only when forced")
+            notes.append("only when forced")
         status = "available" + (f" ({'; '.join(notes)})" if notes else "") if not reason else "unavailable: " + reason
         print(f"  {name:10s} {status}")
     features = isa.cpu_features()

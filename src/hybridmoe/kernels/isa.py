@@ -1,9 +1,10 @@
 """Which kernel ISA runs, what the CPU offers, and the kernels' thread pool.
 
-The best ISA the CPU and the build support runs (avx512bf16 > avx512 > avx2 > scalar);
+The best ISA the CPU and the build support runs (avx512 > avx2 > scalar);
 HYBRIDMOE_ISA=scalar|avx2|avx2bf16|avx512|avx512bf16 forces one (an unusable value raises ValueError naming the
 missing CPU features). avx512bf16 runs bf16 and fp8 weights with bf16 dot products (activations rounded to
-bf16); avx2bf16 emulates those on AVX2 to test them anywhere and is never chosen by itself.
+bf16); avx2bf16 emulates those on AVX2 to test them anywhere. Neither is chosen by itself: avx512bf16 measured
+no faster than avx512 (docs/kernels.md).
 HYBRIDMOE_NUM_THREADS sets the pool size (default: the CPUs this process may use).
 """
 
@@ -31,7 +32,7 @@ def unavailable_reason(name: str) -> str:
 
 
 def auto_selected(name: str) -> bool:
-    """Whether `name` may run without being forced (False for avx2bf16, an emulation kept for tests)."""
+    """Whether `name` may run without being forced (False for the bf16 dot-product ISAs, see the module's doc)."""
     return _native.isa_auto_selected(name)
 
 
