@@ -21,11 +21,12 @@ import threading
 import time
 from pathlib import Path
 
+from hybridmoe.bench.costmodel import last_level_cache_bytes
 from hybridmoe.commands.plan import DEFAULT_PROFILE
 
 EXPERT_SHAPE = (2048, 768)  # (H, I): Qwen3-30B-A3B's routed experts
 TOKENS = (1, 4, 16, 64)
-CACHE_BYTES = 32 * 2**20  # working sets are several times a large last-level cache
+CACHE_MULTIPLE = 4  # working sets are at least this many times the last-level cache
 
 
 def register(subparsers) -> None:
@@ -61,13 +62,14 @@ class Measurer:
         self.torch = torch
         self.quick = quick
         self.repeats = 3 if quick else 7
+        self.read_bytes = max((256 if quick else 1024) * 2**20, CACHE_MULTIPLE * last_level_cache_bytes())
         self.cuda = torch.cuda.is_available()
         self.device = torch.device("cuda" if self.cuda else "cpu")
 
     # ---- host memory ---------------------------------------------------------------------------------
     def read_gbs(self) -> float:
         torch = self.torch
-        n = (256 if self.quick else 1024) * 2**20 // 4
+        n = self.read_bytes // 4
         buffers = [torch.rand(n // 2) for _ in range(2)]  # rotate: never served from cache
         return n * 4 / best_time(lambda: [b.sum() for b in buffers], self.repeats) / 1e9
 
@@ -124,7 +126,7 @@ class Measurer:
         torch = self.torch
         hidden, inter = EXPERT_SHAPE
         probe_call, per_expert, what = self.expert_backend(fmt, 1, hidden, inter)
-        cold_n = max(2, int(4 * CACHE_BYTES // per_expert) // (2 if self.quick else 1))
+        cold_n = max(2, int(CACHE_MULTIPLE * last_level_cache_bytes() // per_expert) // (2 if self.quick else 1))
         call, per_expert, what = self.expert_backend(fmt, cold_n, hidden, inter)
         table = []
         for t in TOKENS:
@@ -259,7 +261,7 @@ def build_profile(quick: bool, formats: tuple[str, ...], log=print) -> dict:
     cpu_section = {
         "cores": measured(len(os.sched_getaffinity(0)), "CPUs this process may use"),
         "memory_gb": measured(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, "physical memory"),
-        "memory_read_gbs": measured(read, f"torch sum over {'256' if quick else '1024'} MiB, {threads} threads"),
+        "memory_read_gbs": measured(read, f"torch sum over {m.read_bytes >> 20} MiB, {threads} threads"),
         "stream_efficiency": measured(min(1.0, gemv / 1e9 / read), "torch fp32 GEMV bandwidth / read bandwidth"),
         "peak_tflops": measured(peak, "best torch GEMM (fp32/bf16), taken as the peak"),
         "matmul_efficiency": measured(1.0, "the peak above is itself achieved"),
