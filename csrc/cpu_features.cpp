@@ -72,8 +72,8 @@ std::vector<std::pair<std::string, bool>> cpu_feature_list() {
 std::vector<std::string> isa_names() { return {"avx512bf16", "avx512", "avx2", "avx2bf16", "scalar"}; }
 
 // The bf16 dot-product tables run only when forced: avx2bf16 is an emulation, and avx512bf16 measured no faster
-// than avx512 on the one AVX512-BF16 CPU tried (Xeon, Emerald Rapids; docs/kernels.md), where vdpbf16ps issues
-// at half the rate of float32 FMAs, while it rounds the activations.
+// than avx512 on the one AVX512-BF16 CPU tried (Xeon, Emerald Rapids; docs/kernels.md) while it rounds the
+// activations.
 bool isa_auto_selected(const std::string& name) { return name != "avx2bf16" && name != "avx512bf16"; }
 
 bool isa_compiled(const std::string& name) {
