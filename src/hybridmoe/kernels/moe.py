@@ -17,11 +17,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.dlpack import to_dlpack
 
 from hybridmoe.kernels import _native
 from hybridmoe.kernels.weights import kernel_matrix
 
 PATHS = ("auto", "gemv", "gemm")
+
+
+def _dlpack(t: torch.Tensor):
+    """t as a DLPack capsule for the bindings' typed ndarrays (no copy; the capsule keeps t alive). A decode step
+    submits every MoE layer, and torch's Python-level Tensor.__dlpack__ costs about 10x this (4.6 vs 0.4 us a
+    tensor measured here)."""
+    return to_dlpack(t)
 
 
 @dataclass
@@ -101,7 +109,7 @@ class FusedMoE:
         out = torch.empty(hidden.shape, dtype=hidden.dtype)
         if hidden.shape[0] == 0:
             return MoEHandle(None, out, result_dtype)
-        native = self._native.submit(hidden, ids, weights, out, path)
+        native = self._native.submit(_dlpack(hidden), _dlpack(ids), _dlpack(weights), _dlpack(out), path)
         return MoEHandle(native, out, result_dtype)
 
     def wait(self, handle: MoEHandle) -> torch.Tensor:
@@ -122,5 +130,5 @@ def matmul(w: _native.Matrix, x: torch.Tensor, path: str = "auto") -> torch.Tens
     x = x.float().contiguous()
     out = torch.empty(x.shape[0], w.rows, dtype=torch.float32)
     if x.shape[0]:
-        _native.matmul(w, x, out, path)
+        _native.matmul(w, _dlpack(x), _dlpack(out), path)
     return out
