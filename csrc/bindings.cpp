@@ -190,7 +190,11 @@ void run_sync(std::function<void()> fn) {
 // A submitted MoE computation: keeps its inputs and output alive until it has finished.
 struct MoEHandle {
   std::shared_ptr<JobState> job;
-  nb::object layer, hidden, ids, weights, out;
+  nb::object layer, out;
+  // The imported arrays (not only the Python objects passed in): when those were DLPack capsules, the arrays
+  // are what keeps the memory alive until the computation is done.
+  Array hidden, ids, weights;
+  MutArray out_array;
 
   MoEHandle() = default;
   MoEHandle(MoEHandle&&) = default;
@@ -291,10 +295,11 @@ MoEHandle submit(nb::object self_obj, nb::object hidden_obj, nb::object ids_obj,
   const MoELayer* layer = self.layer.get();
   MoEHandle handle;
   handle.layer = self_obj;
-  handle.hidden = hidden_obj;
-  handle.ids = ids_obj;
-  handle.weights = weights_obj;
   handle.out = out_obj;
+  handle.hidden = hidden;
+  handle.ids = ids;
+  handle.weights = weights;
+  handle.out_array = out;
   {
     nb::gil_scoped_release release;
     handle.job = global_executor().submit([layer, in, kt] { layer->compute(in, *kt, global_pool()); });

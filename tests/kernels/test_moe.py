@@ -69,6 +69,21 @@ def test_submit_returns_before_wait_and_handles_complete_in_any_order():
     del abandoned  # dropped unfinished: waits for the kernels before its arrays go
 
 
+def test_queued_submissions_keep_their_temporary_inputs_alive():
+    """Inputs made inside submit (fp16 -> fp32 hidden, int32 -> int64 ids, weights -> fp32) and dropped by Python
+    at once must live until their job has run: jobs queue behind each other, memory is churned meanwhile, and
+    every result must still match."""
+    gen = torch.Generator().manual_seed(8)
+    kwargs, exact = random_experts("f32", E, H, I, gen)
+    moe = FusedMoE(**kwargs)
+    batches = [(torch.randn(64, H, generator=gen).half(),) + random_routing(64, K, E, gen) for _ in range(6)]
+    handles = [moe.submit(h, ids.int(), w.double()) for h, ids, w in batches]
+    churn = [torch.full((64, H), float("nan")) for _ in range(64)]  # reuses freed memory, if any
+    for (h, ids, w), handle in zip(batches, handles):
+        assert _error(moe.wait(handle), reference.moe_reference(h, ids, w, exact)) < 2e-3
+    del churn
+
+
 def test_fp16_hidden_and_empty_batches():
     gen = torch.Generator().manual_seed(6)
     kwargs, exact = random_experts("f32", E, H, I, gen)
