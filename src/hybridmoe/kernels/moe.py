@@ -26,9 +26,9 @@ PATHS = ("auto", "gemv", "gemm")
 
 
 def _dlpack(t: torch.Tensor):
-    """t as a DLPack capsule for the bindings' typed ndarrays (no copy; the capsule keeps t alive). A decode step
-    submits every MoE layer, and torch's Python-level Tensor.__dlpack__ costs about 10x this (4.6 vs 0.4 us a
-    tensor measured here)."""
+    """t as a DLPack capsule for the bindings' typed ndarrays (no copy; the array they import keeps t alive). A
+    decode step submits every MoE layer, and torch's Python-level Tensor.__dlpack__ costs about 10x this (4.6
+    vs 0.4 us a tensor measured here)."""
     return to_dlpack(t)
 
 
