@@ -80,7 +80,7 @@ constexpr int64_t kGemmMinTokensInt = 192;
 constexpr int64_t kMaxGemvTokens = kGemmMinTokensFloat - 1;  // the most tokens the float GEMV path takes
 
 // With bf16 dot products (KernelTable::bf16_dot) bf16 and fp8 weights stay on the GEMV path up to
-// kMaxGemvTokens: its 4 x 6 tiles multiply-add twice as much per instruction as the float32 GEMM panels.
+// kMaxGemvTokens, the bf16 dot-product tiles' range (kernels_simd_bf16.h).
 static inline int64_t gemm_min_tokens(WFormat f, bool bf16_dot = false) {
   if (bf16_dot && (f == WFormat::FP8 || f == WFormat::BF16)) return kGemmMinTokensFloat;
   return f == WFormat::FP8 ? kGemmMinTokensFp8 : is_int_format(f) ? kGemmMinTokensInt : kGemmMinTokensFloat;
