@@ -58,9 +58,8 @@ inline void accumulate_b(const uint8_t* const* rowp, I64 k0, I64 k1, const uint1
 }
 
 // out[i][j] = W[row i] . x[token j] for one tile (R rows x MT tokens). bf16 weights: one pass over the rows.
-// fp8: per column block, the bit-placement decode against xfast, or, where a row of the tile has a subnormal
-// code in the block, the exact decode against xexact (both products * 2^-16); xfast == nullptr: exact
-// everywhere.
+// fp8: per column range (for_each_fp8_range), the bit-placement decode against xfast or the exact decode against
+// xexact (both products * 2^-16); xfast == nullptr: exact everywhere.
 template <class V, WFormat F, int R, int MT>
 inline void bf16_dot_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows, const uint16_t* const* xfast,
                           const uint16_t* const* xexact, float (&out)[R][MT], const uint8_t* next) {
@@ -69,19 +68,10 @@ inline void bf16_dot_tile(const Matrix& w, const uint8_t* const* rowp, const I64
   if constexpr (F == WFormat::BF16) {
     accumulate_b<V, WFormat::BF16, R, MT>(rowp, 0, w.cols, xfast, acc, next);
   } else {
-    uint8_t flags = 0;
-    for (int i = 0; i < R; ++i) flags |= w.row_flags[rows[i]];
-    if (xfast && !(flags & kRowHasSubnormal)) {
-      accumulate_b<V, kFp8Normal, R, MT>(rowp, 0, w.cols, xfast, acc, next);
-    } else {
-      for (I64 k0 = 0, kb = 0; k0 < w.cols; k0 += w.block_cols, ++kb) {
-        const I64 k1 = imin(w.cols, k0 + w.block_cols);
-        bool exact = xfast == nullptr;
-        for (int i = 0; i < R; ++i) exact |= block_has_subnormal(w, rows[i], kb);
-        if (exact) accumulate_b<V, WFormat::FP8, R, MT>(rowp, k0, k1, xexact, acc, next);
-        else accumulate_b<V, kFp8Normal, R, MT>(rowp, k0, k1, xfast, acc, next);
-      }
-    }
+    for_each_fp8_range<R>(w, rows, xfast != nullptr, [&](bool exact, I64 k0, I64 k1) {
+      if (exact) accumulate_b<V, WFormat::FP8, R, MT>(rowp, k0, k1, xexact, acc, next);
+      else accumulate_b<V, kFp8Normal, R, MT>(rowp, k0, k1, xfast, acc, next);
+    });
   }
   zero_and_finish<V, R, MT>(acc, out, true);
 }

@@ -78,28 +78,33 @@ inline void fp_tile(const uint8_t* const* rowp, I64 n, const float* const* xr, f
   zero_and_finish<V, R, MT>(acc, out, true);
 }
 
-// The fp8 tile of the GEMV path: per column block, the 3-operation decode against x scaled for it, or, where a
-// row of the tile has a subnormal code in the block, the exact decode against x scaled for that (both give
-// products * 2^-16; x_fast == nullptr: exact everywhere).
+// fn(exact, k0, k1) over the columns of an fp8 tile (rows[i], i < R): in the common case, fast and no row of
+// the tile with a subnormal code, once for whole rows (exact = false); otherwise per column block, exact where
+// a row of the tile has a subnormal code in the block, and everywhere when !fast.
+template <int R, class Fn>
+inline void for_each_fp8_range(const Matrix& w, const I64* rows, bool fast, Fn&& fn) {
+  uint8_t flags = 0;
+  for (int i = 0; i < R; ++i) flags |= w.row_flags[rows[i]];
+  if (fast && !(flags & kRowHasSubnormal)) return fn(false, I64{0}, w.cols);
+  for (I64 k0 = 0, kb = 0; k0 < w.cols; k0 += w.block_cols, ++kb) {
+    bool exact = !fast;
+    for (int i = 0; i < R; ++i) exact |= block_has_subnormal(w, rows[i], kb);
+    fn(exact, k0, imin(w.cols, k0 + w.block_cols));
+  }
+}
+
+// The fp8 tile of the GEMV path: per column range (for_each_fp8_range), the 3-operation decode against x scaled
+// for it, or the exact decode against x scaled for that (both give products * 2^-16; x_fast == nullptr: exact
+// everywhere).
 template <class V, int R, int MT>
 inline void fp8_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows, const float* const* xfast,
                      const float* const* xexact, float (&out)[R][MT], const uint8_t* next) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
-  uint8_t flags = 0;
-  for (int i = 0; i < R; ++i) flags |= w.row_flags[rows[i]];
-  if (xfast && !(flags & kRowHasSubnormal)) {  // the common case: whole rows in one loop
-    accumulate<V, kFp8Normal, R, MT>(rowp, 0, w.cols, xfast, acc, next);
-    zero_and_finish<V, R, MT>(acc, out, true);
-    return;
-  }
-  for (I64 k0 = 0, kb = 0; k0 < w.cols; k0 += w.block_cols, ++kb) {
-    const I64 k1 = imin(w.cols, k0 + w.block_cols);
-    bool exact = xfast == nullptr;
-    for (int i = 0; i < R; ++i) exact |= block_has_subnormal(w, rows[i], kb);
+  for_each_fp8_range<R>(w, rows, xfast != nullptr, [&](bool exact, I64 k0, I64 k1) {
     if (exact) accumulate<V, WFormat::FP8, R, MT>(rowp, k0, k1, xexact, acc, next);
     else accumulate<V, kFp8Normal, R, MT>(rowp, k0, k1, xfast, acc, next);
-  }
+  });
   zero_and_finish<V, R, MT>(acc, out, true);
 }
 
