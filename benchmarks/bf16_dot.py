@@ -1,7 +1,9 @@
 """Where bf16 dot products pay: one matrix's GEMV, float32 activations (ISA A) against bf16 dot products (ISA B),
 alternating in one process, on 1 thread and on all threads, with the rows in cache and streamed from memory.
 
-    python benchmarks/bf16_dot.py [--isas avx512,avx512bf16] [--formats fp8,bf16] [--tokens 1,6,8,24]
+    python benchmarks/bf16_dot.py [--isas A,B] [--formats fp8,bf16] [--tokens 1,6,8,24]
+
+(--isas: default avx512,avx512bf16 where the CPU has AVX512-BF16, else avx2,avx2bf16, the emulation.)
 
 Prints GFLOP/s per (format, tokens, threads, residency) for each ISA and B's speedup over A (median of the
 alternating rounds). Shapes: DeepSeek-V3's expert gate (2048 x 7168). "cache": 256 rows (1.8 MB of fp8) called
@@ -47,19 +49,23 @@ def _gflops(mats: list, x: torch.Tensor, seconds: float = 0.2) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--isas", default="avx512,avx512bf16")
+    native = "avx512bf16" in isa.available_isas()
+    p.add_argument("--isas", default="avx512,avx512bf16" if native else "avx2,avx2bf16")
     p.add_argument("--formats", default="fp8,bf16")
     p.add_argument("--tokens", default="1,6,8,24")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--pool-mib", type=int, help="the memory pool (default: 1 GiB or 4x the last-level cache)")
+    p.add_argument("--seconds", type=float, default=0.2, help="timed seconds per measurement")
     args = p.parse_args()
     a, b = args.isas.split(",")
     all_threads = isa.num_threads()
-    pool_bytes = max(1 << 30, 4 * last_level_cache_bytes())
+    pool_bytes = args.pool_mib << 20 if args.pool_mib else max(1 << 30, 4 * last_level_cache_bytes())
     print(f"{'format':6s} {'M':>3s} {'threads':>7s} {'rows in':>7s} {a + ' GFLOP/s':>18s} {b + ' GFLOP/s':>18s} "
           f"{'speedup':>7s}")
     for fmt in args.formats.split(","):
         bytes_per_row = K * (1 if fmt == "fp8" else 2)
-        residency = {"cache": _matrices(fmt, 256, 1), "memory": _matrices(fmt, N, pool_bytes // (N * bytes_per_row))}
+        residency = {"cache": _matrices(fmt, 256, 1),
+                     "memory": _matrices(fmt, N, max(1, pool_bytes // (N * bytes_per_row)))}
         for tokens in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(tokens, K)
             for threads in (1, all_threads):
@@ -69,7 +75,7 @@ def main() -> None:
                     for _ in range(args.rounds):
                         for name in (a, b):
                             with isa.use_isa(name):
-                                rates[name].append(_gflops(mats, x))
+                                rates[name].append(_gflops(mats, x, args.seconds))
                     ra, rb = statistics.median(rates[a]), statistics.median(rates[b])
                     print(f"{fmt:6s} {tokens:3d} {threads:7d} {where:>7s} {ra:18.1f} {rb:18.1f} {rb / ra:6.2f}x",
                           flush=True)
