@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.bench.costmodel import last_level_cache_bytes
-
 from hybridmoe.kernels import _native, formats, isa, numa
 from hybridmoe.kernels.moe import FusedMoE
 
@@ -204,9 +203,8 @@ def _torch_moe(expert_weights, hidden, ids, weights, limit: int | None = None) -
 
 class MachineProbe:
     """This machine's read bandwidth (GB/s over 1 GiB or 4x the last-level cache, the kernels' threads, best of a
-    few passes) and FMA peak
-    (GFLOP/s of register-only FMA chains, active ISA); every measurement is kept, so that the run can report
-    the best of them."""
+    few passes) and FMA peak (GFLOP/s of register-only FMA chains, active ISA); every measurement is kept, so
+    that the run can report the best of them."""
 
     def __init__(self):
         self.buffer = np.ones(max(BANDWIDTH_BYTES, CACHE_MULTIPLE * last_level_cache_bytes()) // 8, dtype=np.uint64)
