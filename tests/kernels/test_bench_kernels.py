@@ -70,3 +70,13 @@ def test_a_pool_larger_than_a_layer_is_called_as_consecutive_layers():
         assert ((out - expected).abs().max() / expected.abs().max()).item() < 3e-2
         outs.append(out)
     assert not torch.allclose(outs[0], outs[1])
+
+
+def test_pool_bytes_are_their_own_memory():
+    """Each matrix of a pool holds just its bytes: a slice of the 16 MiB source block would keep all of it alive
+    (at Qwen3 shapes, 10x the pool's memory)."""
+    source = bench._Bytes()
+    small, large = source.take(1000), source.take(2 * source.block.numel() + 5)
+    assert small.untyped_storage().nbytes() == 1000
+    assert large.untyped_storage().nbytes() == large.numel() == 2 * source.block.numel() + 5
+    assert torch.equal(large[source.block.numel():][:1000], small)

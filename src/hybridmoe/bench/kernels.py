@@ -75,10 +75,12 @@ class _Bytes:
         self.fixed: dict = {}
 
     def take(self, n: int, fix=None) -> torch.Tensor:
+        """n bytes in memory of their own (a slice of a larger tensor would keep all of it alive)."""
         if fix is not None and fix not in self.fixed:
             self.fixed[fix] = fix(self.block.clone())
         block = self.fixed[fix] if fix is not None else self.block
-        return block.repeat(-(-n // block.numel()))[:n]
+        whole, rest = divmod(n, block.numel())
+        return torch.cat([block] * whole + [block[:rest]])
 
 
 def _realistic_fp8(b: torch.Tensor) -> torch.Tensor:
