@@ -40,10 +40,26 @@ def _float64_reference(src_dir, fp8_dir):
     return model
 
 
+def _bf16_dot_isa() -> str | None:
+    """An ISA with bf16 dot products this machine runs (native, else the AVX2 emulation), or None."""
+    return next((name for name in ("avx512bf16", "avx2bf16") if name in isa.available_isas()), None)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("backend", ["cpu", "cpu-bf16-dot", "torch"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_fp8_forward_matches_float64_block_dequantised_reference(tiny_model_dir, tmp_path, shape, backend):
+    """cpu-bf16-dot: the CPU kernels with bf16 activations (ISA avx512bf16 or avx2bf16) through the whole model."""
+    if backend == "cpu-bf16-dot":
+        if _bf16_dot_isa() is None:
+            pytest.skip("no ISA with bf16 dot products on this CPU")
+        with isa.use_isa(_bf16_dot_isa()):
+            _check_fp8_forward(tiny_model_dir, tmp_path, shape, "cpu")
+    else:
+        _check_fp8_forward(tiny_model_dir, tmp_path, shape, backend)
+
+
+def _check_fp8_forward(tiny_model_dir, tmp_path, shape: str, backend: str) -> None:
     src = tiny_model_dir("deepseek_v3", **SHAPES[shape])
     fp8_dir = write_fp8_checkpoint(src, tmp_path / "fp8")
     model = load_model(fp8_dir, "float32", backend)
