@@ -28,16 +28,21 @@
 namespace hm {
 namespace {
 
+// A float format's path: GEMV (with bf16 dot products for bf16 and fp8 weights where V has them) up to
+// kMaxGemvTokens tokens unless `gemm`, else the GEMM panels.
+template <class V, WFormat F>
+void matmul_fp(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
+  if (gemm || x.m > kMaxGemvTokens) return matmul_fp_gemm<V, F>(w, r0, r1, x, y, ldy);
+  if constexpr (V::kBf16Dot && (F == WFormat::BF16 || F == WFormat::FP8))
+    return matmul_bf16_dot_gemv<V, F>(w, r0, r1, x, y, ldy);
+  else
+    return matmul_fp_gemv<V, F>(w, r0, r1, x, y, ldy);
+}
+
 template <class V>
 void matmul(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, MatmulPath path) {
   const bool gemm = use_gemm(path, x.m, w.fmt, V::kBf16Dot);
   const bool bf16_scales = w.scale_type == ScaleType::BF16;
-  if constexpr (V::kBf16Dot) {
-    if (!gemm && x.m <= kMaxGemvTokens) {
-      if (w.fmt == WFormat::BF16) return matmul_bf16_dot_gemv<V, WFormat::BF16>(w, r0, r1, x, y, ldy);
-      if (w.fmt == WFormat::FP8) return matmul_bf16_dot_gemv<V, WFormat::FP8>(w, r0, r1, x, y, ldy);
-    }
-  }
   switch (w.fmt) {
     case WFormat::F32: return matmul_fp<V, WFormat::F32>(w, r0, r1, x, y, ldy, gemm);
     case WFormat::BF16: return matmul_fp<V, WFormat::BF16>(w, r0, r1, x, y, ldy, gemm);

@@ -93,38 +93,6 @@ inline void for_each_token_tile_upto(I64 M, Fn&& fn) {
   for (I64 m = 0; m < M; m += MaxMT) token_tile_of<MaxMT>(imin(MaxMT, M - m), m, fn);
 }
 
-// f rounded to bf16 (nearest even; NaN stays a quiet NaN), branch-free so that loops over it vectorise.
-inline uint16_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
-}
-
-// Rows x[m] * s[column block] * unscale rounded to bf16 into dst (M rows of ld, zero past K; s == nullptr: 1
-// everywhere); false when a finite product became infinite (overflowed float32 or bf16's range).
-inline bool bf16_activations(const Matrix& w, const float* srow, const Activations& x, float unscale, uint16_t* dst,
-                             I64 ld, const uint16_t** rows) {
-  const I64 K = w.cols, bc = srow ? w.block_cols : K;
-  int overflow = 0;  // branch-free, so that the loop vectorises
-  for (I64 m = 0; m < x.m; ++m) {
-    uint16_t* out = dst + m * ld;
-    const float* src = x_row(x, m);
-    for (I64 kb = 0; kb < K; kb += bc) {
-      const float s = (srow ? srow[kb / bc] : 1.0f) * unscale;
-      const I64 ke = imin(K, kb + bc);
-      for (I64 k = kb; k < ke; ++k) {
-        const uint16_t b = bf16_bits(src[k] * s);
-        out[k] = b;
-        overflow |= static_cast<int>((b & 0x7FFF) == 0x7F80) & static_cast<int>(std::fabs(src[k]) <= FLT_MAX);
-      }
-    }
-    for (I64 k = K; k < ld; ++k) out[k] = 0;
-    rows[m] = out;
-  }
-  return !overflow;
-}
-
 // The GEMV path with bf16 dot products: whole rows, tiles of 4 rows x up to V::kBf16Tokens tokens.
 template <class V, WFormat F>
 void matmul_bf16_dot_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
@@ -141,9 +109,9 @@ void matmul_bf16_dot_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x,
     bool fast = true, exact_ready = false;
     if constexpr (F == WFormat::FP8) {
       srow = static_cast<const float*>(w.scales) + (s0 / w.block_rows) * w.scale_stride;
-      fast = bf16_activations(w, srow, x, kFp8NormalUnscale, buf, ld, fast_rows);
+      fast = scale_activations(w, srow, x, kFp8NormalUnscale, buf, ld, fast_rows);
     } else {
-      bf16_activations(w, nullptr, x, 1.0f, buf, ld, fast_rows);
+      scale_activations(w, srow, x, 1.0f, buf, ld, fast_rows);
     }
     for (I64 r = s0; r < s1; r += R) {
       const uint8_t* rowp[R];
@@ -155,7 +123,7 @@ void matmul_bf16_dot_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x,
         if constexpr (F == WFormat::FP8) flags |= w.row_flags[rows[i]];
       }
       if (F == WFormat::FP8 && (!fast || (flags & kRowHasSubnormal)) && !exact_ready) {
-        bf16_activations(w, srow, x, kFp8ExactUnscale, buf + M * ld, ld, exact_rows);
+        scale_activations(w, srow, x, kFp8ExactUnscale, buf + M * ld, ld, exact_rows);
         exact_ready = true;
       }
       const uint8_t* next = next_tile_rows(w, r, r1, R, K * B);

@@ -169,25 +169,43 @@ inline void set_nan_rows(const Matrix& w, I64 r0, I64 r1, I64 M, float* y, I64 l
       for (I64 m = 0; m < M; ++m) y[m * ldy + r - r0] = NAN;
 }
 
-// Scales x's rows by the fp8 block scales of one row block times `unscale` into dst (M rows of ldx); false
-// when a product overflowed float32.
-inline bool scale_activations(const Matrix& w, const float* srow, const Activations& x, float unscale, float* dst,
-                              const float** rows) {
-  const I64 K = w.cols;
+// f rounded to bf16 (nearest even; NaN stays a quiet NaN), branch-free so that loops over it vectorise.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
+}
+
+// Rows x[m] * s[column block] * unscale into dst (M rows of ld, zero past K), as float32 (T = float) or rounded
+// to bf16 (T = uint16_t); srow: one row block's fp8 block scales, nullptr for 1 everywhere. False when a finite
+// product became infinite (overflowed the output type's range).
+template <class T>
+inline bool scale_activations(const Matrix& w, const float* srow, const Activations& x, float unscale, T* dst,
+                              I64 ld, const T** rows) {
+  const I64 K = w.cols, bc = srow ? w.block_cols : K;
   int overflow = 0;  // branch-free, so that the loop vectorises
   for (I64 m = 0; m < x.m; ++m) {
-    float* out = dst + m * x.ldx;
+    T* out = dst + m * ld;
     const float* src = x_row(x, m);
-    for (I64 kb = 0; kb < K; kb += w.block_cols) {
-      const float s = srow[kb / w.block_cols] * unscale;
-      const I64 ke = imin(K, kb + w.block_cols);
+    for (I64 kb = 0; kb < K; kb += bc) {
+      const float s = (srow ? srow[kb / bc] : 1.0f) * unscale;
+      const I64 ke = imin(K, kb + bc);
       for (I64 k = kb; k < ke; ++k) {
-        const float v = src[k] * s;
-        out[k] = v;
-        overflow |= static_cast<int>(std::fabs(v) > FLT_MAX) & static_cast<int>(std::fabs(src[k]) <= FLT_MAX);
+        int infinite;
+        if constexpr (sizeof(T) == 2) {
+          const uint16_t b = bf16_bits(src[k] * s);
+          out[k] = b;
+          infinite = (b & 0x7FFF) == 0x7F80;
+        } else {
+          const float v = src[k] * s;
+          out[k] = v;
+          infinite = std::fabs(v) > FLT_MAX;
+        }
+        overflow |= infinite & static_cast<int>(std::fabs(src[k]) <= FLT_MAX);
       }
     }
-    for (I64 k = K; k < x.ldx; ++k) out[k] = 0.0f;
+    for (I64 k = K; k < ld; ++k) out[k] = T{0};
     rows[m] = out;
   }
   return !overflow;
@@ -222,7 +240,7 @@ void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
   for (I64 s0 = r0; s0 < r1;) {
     const I64 s1 = segment_end(w, s0, r1);
     const float* srow = static_cast<const float*>(w.scales) + (s0 / w.block_rows) * w.scale_stride;
-    const bool fast = scale_activations(w, srow, x, kFp8NormalUnscale, scaled, xrows);
+    const bool fast = scale_activations(w, srow, x, kFp8NormalUnscale, scaled, x.ldx, xrows);
     bool exact_ready = false;
     for (I64 r = s0; r < s1; r += 4) {
       const uint8_t* rowp[4];
@@ -235,7 +253,7 @@ void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
       }
       const bool need_exact = !fast || (flags & kRowHasSubnormal);
       if (need_exact && !exact_ready) {
-        scale_activations(w, srow, x, kFp8ExactUnscale, scaled + M * x.ldx, exact_rows);
+        scale_activations(w, srow, x, kFp8ExactUnscale, scaled + M * x.ldx, x.ldx, exact_rows);
         exact_ready = true;
       }
       const uint8_t* next = next_tile_rows(w, r, r1, 4, K);
@@ -445,12 +463,6 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
     }
   }
   if constexpr (F == WFormat::FP8) set_nan_rows(w, r0, r1, M, y, ldy);
-}
-
-template <class V, WFormat F>
-void matmul_fp(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
-  if (!gemm && x.m <= kMaxGemvTokens) return matmul_fp_gemv<V, F>(w, r0, r1, x, y, ldy);
-  return matmul_fp_gemm<V, F>(w, r0, r1, x, y, ldy);
 }
 
 }  // namespace

@@ -124,10 +124,14 @@ def fp8_e4m3_values() -> torch.Tensor:
 
 def dequantize_fp8(data: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """fp8 codes [N, K] (float8_e4m3fn or uint8) + float32 block scales -> float64 [N, K] (exact)."""
-    codes = data.view(torch.uint8).long()
-    rows, cols = codes.shape
+    rows, cols = data.shape
     full = scales.double().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return fp8_e4m3_values()[codes] * full
+    return fp8_values(data) * full
+
+
+def fp8_values(data: torch.Tensor) -> torch.Tensor:
+    """The values of fp8 e4m3fn codes (float8_e4m3fn or uint8) as float64, no scales."""
+    return fp8_e4m3_values()[data.view(torch.uint8).long()]
 
 
 def quantize_activations(x: torch.Tensor, padded: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:

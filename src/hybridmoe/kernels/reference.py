@@ -47,7 +47,7 @@ def bf16_dot_matmul(x: torch.Tensor, fmt: str, data: torch.Tensor, scales: torch
         return xe @ w.T, xe.abs() @ w.abs().T
     if fmt != "fp8":
         raise ValueError(f"the bf16 dot-product kernels take bf16 and fp8 weights, not {fmt!r}")
-    values = fp8_values(data)  # [N, K]
+    values = formats.fp8_values(data)  # [N, K]
     rows, cols = values.shape
     column_scales = scales.float().repeat_interleave(block[1], 1)[:, :cols]  # [N / b0, K]
     out = torch.empty(x.shape[0], rows, dtype=torch.float64)
@@ -57,11 +57,6 @@ def bf16_dot_matmul(x: torch.Tensor, fmt: str, data: torch.Tensor, scales: torch
         xe = (x.float() * column_scales[rb]).bfloat16().double()  # [M, K]
         out[:, r], size[:, r] = xe @ values[r].T, xe.abs() @ values[r].abs().T
     return out, size
-
-
-def fp8_values(data: torch.Tensor) -> torch.Tensor:
-    """The values of fp8 e4m3fn codes (float8_e4m3fn or uint8) as float64, no scales."""
-    return formats.fp8_e4m3_values()[data.view(torch.uint8).long()]
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
