@@ -48,9 +48,24 @@ inline void prefetch_bytes(const uint8_t* p) {
   for (I64 off = 0; off < kBytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
 }
 
+// Prefetch of R rows (stride bytes apart) as R streams: at byte `pos` of a tile's own rows, reading kStepBytes of
+// each a step, the same position of each of the R rows at next, a line of each as the position enters a new
+// cache line (every line of the step where a step spans lines).
+template <int R, I64 kStepBytes>
+inline void prefetch_row_streams(const uint8_t* next, I64 stride, I64 pos) {
+  if constexpr (kStepBytes >= 64) {
+    for (int i = 0; i < R; ++i)
+      for (I64 off = 0; off < kStepBytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + i * stride + pos + off), _MM_HINT_T0);
+  } else if (static_cast<uint64_t>(pos) % 64 < static_cast<uint64_t>(kStepBytes)) {
+    // (unsigned: GCC 12 emitted no prefetch at all for the signed `(pos & 63) < kStepBytes` in the fp8 GEMV)
+    for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + i * stride + pos), _MM_HINT_T0);
+  }
+}
+
 // The R rows after the tile starting at row r, to prefetch while the tile is read, or nullptr: only when they
 // lie within the task's rows [.., r1) and are stored back to back (row_bytes == row_read_bytes, the bytes a
-// tile reads per row), since the prefetch walks their R * row_read_bytes bytes linearly.
+// tile reads per row), since the prefetches take them as R back-to-back rows.
 inline const uint8_t* next_tile_rows(const Matrix& w, I64 r, I64 r1, I64 R, I64 row_read_bytes) {
   return r + 2 * R <= r1 && w.row_bytes == row_read_bytes ? w.data + (r + R) * w.row_bytes : nullptr;
 }

@@ -121,6 +121,28 @@ def test_fp8_blocks_with_and_without_subnormals(each_isa, path):
            bf16=_bf16(big, path, 2, "fp8", q, big_scales, (32, 128)))
 
 
+@pytest.mark.parametrize("fmt,cols", [("f32", 1600), ("bf16", 3100), ("f16", 3100), ("fp8", 6150)])
+def test_gemv_rows_of_6_kb_and_more(each_isa, fmt, cols):
+    """Rows of >= 6 KB (kRowStreamMinBytes): the GEMV prefetches the next tile as one stream a row instead of
+    one linear stream; several tiles, a short last one, partial last vectors and (fp8) a partial last block
+    and a block with a subnormal code (the exact decode beside the fast one)."""
+    gen = torch.Generator().manual_seed(seed(fmt, cols, each_isa))
+    rows = 21
+    if fmt == "fp8":
+        q, s = random_fp8(rows, cols, (128, 128), gen, normal_only=True)
+        codes = q.view(torch.uint8).clone()
+        codes[9, 3000] = 0x05
+        q = codes.view(torch.float8_e4m3fn)
+        w64, m, bf16 = reference.dequantize("fp8", q, s), kernel_matrix("fp8", q, s), ("fp8", q, s, (128, 128))
+    else:
+        w = torch.randn(rows, cols, generator=gen).to({"f32": torch.float32, "bf16": torch.bfloat16,
+                                                        "f16": torch.float16}[fmt])
+        w64, m, bf16 = w.double(), kernel_matrix(fmt, w), (fmt, w, None, (128, 128))
+    for tokens in (1, 2, 3, 5):
+        x = torch.randn(tokens, cols, generator=gen)
+        _check(matmul(m, x, "gemv"), x, w64, bf16=bf16 if _bf16(m, "gemv", tokens, fmt, None) else None)
+
+
 @pytest.mark.parametrize("tokens,path", [(1, "gemv"), (2, "gemv"), (9, "gemm")])
 def test_fp8_nan_codes_give_nan_rows(each_isa, tokens, path):
     gen = torch.Generator().manual_seed(11)
