@@ -32,7 +32,8 @@ inline typename V::B decode_b(const uint8_t* p) {
 }
 
 // acc[i][j] += sum over k in [k0, k1) of W[row i][k] * xb[token j][k], L weights a step; a partial last step
-// reads its weights through a zero-padded copy. next: as in accumulate (kernels_simd_float.h).
+// reads its weights through a zero-padded copy. next: as in accumulate (kernels_simd_float.h), prefetched as one
+// linear stream into L1 (NextRows::LinearL1; these tiles were not measured with the other policies).
 template <class V, WFormat F, int R, int MT>
 inline void accumulate_b(const uint8_t* const* rowp, I64 k0, I64 k1, const uint16_t* const* xr,
                          typename V::F (&acc)[R][MT], const uint8_t* next) {
@@ -40,7 +41,7 @@ inline void accumulate_b(const uint8_t* const* rowp, I64 k0, I64 k1, const uint1
   constexpr I64 B = bytes_per_weight<F>();
   I64 k = k0;
   for (; k + L <= k1; k += L) {
-    if (next) prefetch_bytes<R * L * B>(next + k * R * B);
+    if (next) prefetch_next<NextRows::LinearL1, R, L * B>(next, 0, k * B);
     for (int i = 0; i < R; ++i) {
       const typename V::B w = decode_b<V, F>(rowp[i] + k * B);
       for (int j = 0; j < MT; ++j) acc[i][j] = V::dot_b(acc[i][j], w, V::load_b(xr[j] + k));

@@ -42,24 +42,38 @@ inline typename V::F decode(const uint8_t* p) {
   else return V::load_fp8(p);
 }
 
-// Software prefetch of the `kBytes` bytes at p (whole cache lines).
-template <I64 kBytes>
-inline void prefetch_bytes(const uint8_t* p) {
-  for (I64 off = 0; off < kBytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T0);
+// How a GEMV tile prefetches the next tile's R rows (back to back, stride bytes each) while it reads its own, by
+// row length (next_rows_policy): one linear stream over the R rows, R times as fast as a row is read, into L1
+// (short rows) or L2; or (float GEMV, long rows) R streams, each of the next rows at this tile's position, into
+// L2. Measured 2026-11-30 on Zen 4 (one thread, rows from memory, same process, GB/s of weights, AVX-512 and
+// AVX2 tables alike): linear into L1 -> R streams into L2, DeepSeek-V3's 7 KB fp8 rows 15.2 -> 19.0 at one token
+// and 14 KB bf16 rows 16.8 -> 20.1 (1.3-1.5x at two tokens), 4 KB bf16 rows 1.15-1.2x (1.7x at two tokens);
+// linear into L1 -> into L2, 3.5 / 7 KB int4 / int8 rows 1.15-1.3x / 1.2x (1.3-1.7x at two tokens); but 2 KB fp8
+// and 1 KB int4 rows 0.84-0.98x and 0.68-0.75x at one token, where the next tile's lines must already be in L1.
+enum class NextRows { LinearL1, LinearL2, StreamsL2 };
+
+constexpr I64 kPrefetchL2MinBytes = 3 << 10;  // rows from which the next tile goes to L2 rather than L1
+constexpr I64 kRowStreamMinBytes = 4 << 10;   // rows from which the float GEMV prefetches R streams
+
+inline NextRows next_rows_policy(I64 row_bytes, bool streams) {
+  if (streams && row_bytes >= kRowStreamMinBytes) return NextRows::StreamsL2;
+  return row_bytes >= kPrefetchL2MinBytes ? NextRows::LinearL2 : NextRows::LinearL1;
 }
 
-// Prefetch of R rows (stride bytes apart) as R streams: at byte `pos` of a tile's own rows, reading kStepBytes of
-// each a step, the same position of each of the R rows at next, a line of each as the position enters a new
-// cache line (every line of the step where a step spans lines).
-template <int R, I64 kStepBytes>
-inline void prefetch_row_streams(const uint8_t* next, I64 stride, I64 pos) {
-  if constexpr (kStepBytes >= 64) {
+// The next tile's prefetch at byte `pos` of this tile's rows, which it reads kStepBytes a step (see NextRows).
+template <NextRows P, int R, I64 kStepBytes>
+inline void prefetch_next(const uint8_t* next, I64 stride, I64 pos) {
+  constexpr _mm_hint kHint = P == NextRows::LinearL1 ? _MM_HINT_T0 : _MM_HINT_T1;
+  if constexpr (P != NextRows::StreamsL2) {
+    for (I64 off = 0; off < R * kStepBytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + R * pos + off), kHint);
+  } else if constexpr (kStepBytes >= 64) {
     for (int i = 0; i < R; ++i)
       for (I64 off = 0; off < kStepBytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next + i * stride + pos + off), _MM_HINT_T0);
-  } else if (static_cast<uint64_t>(pos) % 64 < static_cast<uint64_t>(kStepBytes)) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + i * stride + pos + off), kHint);
+  } else if (static_cast<uint64_t>(pos) % 64 < static_cast<uint64_t>(kStepBytes)) {  // a new line of each row
     // (unsigned: GCC 12 emitted no prefetch at all for the signed `(pos & 63) < kStepBytes` in the fp8 GEMV)
-    for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + i * stride + pos), _MM_HINT_T0);
+    for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + i * stride + pos), kHint);
   }
 }
 

@@ -8,27 +8,13 @@
 
 namespace hm {
 namespace {
-constexpr I64 kRowStreamMinBytes = 6 << 10;  // rows from which the GEMV prefetches the next tile as R streams
-
-// The next tile's prefetch (accumulate): as R streams, each of its rows at this tile's position
-// (prefetch_row_streams; kRowStreams, rows of >= kRowStreamMinBytes), or as one linear stream over its R rows,
-// R * kStepBytes a step. Measured 2026-11-30 (one thread, rows from memory, same process, GB/s of weights,
-// linear -> streams): DeepSeek-V3's 7 KB fp8 rows 12.4 -> 16.9 at 1 token and 7.0 -> 8.2 at 4; its 14 KB bf16
-// rows 14.7 -> 18.2 and 9.8 -> 11.8; but Qwen3-30B-A3B's 2 KB fp8 rows 20.3 -> 11.8 and 4 KB bf16 rows
-// 22.7 -> 16.7 at 1 token (there the linear stream runs a whole tile ahead, which short rows need).
-template <int R, I64 kStepBytes, bool kRowStreams>
-inline void prefetch_next(const uint8_t* next, I64 stride, I64 pos) {
-  if constexpr (kRowStreams) prefetch_row_streams<R, kStepBytes>(next, stride, pos);
-  else prefetch_bytes<R * kStepBytes>(next + R * pos);
-}
-
 // acc[i][j] += sum over k in [k0, k1) of W[row i][k] * x[token j][k]; the rows' last partial vector is read
 // through a zero-padded copy (x is zero-padded always).
 // next (may be nullptr): the start of the R rows that follow (stride bytes apart, back to back), prefetched at
-// the rate this tile's rows are read (prefetch_next), so that the next tile's lines do not wait on memory
+// the rate this tile's rows are read (prefetch_next, policy P), so that the next tile's lines do not wait on memory
 // (hardware prefetchers restart at every row and page). Small tiles (R * MT <= 4) keep a second set of
 // accumulators so that 2 * R * MT FMA chains are in flight.
-template <class V, WFormat F, int R, int MT, bool kRowStreams>
+template <class V, WFormat F, int R, int MT, NextRows P>
 inline void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* const* xr,
                        typename V::F (&acc)[R][MT], const uint8_t* next, I64 stride) {
   constexpr int W = V::W;
@@ -43,7 +29,7 @@ inline void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* 
     for (int i = 0; i < R; ++i)
       for (int j = 0; j < MT; ++j) acc2[i][j] = V::zero();
     for (; k + 2 * W <= k1; k += 2 * W) {
-      if (next) prefetch_next<R, 2 * W * B, kRowStreams>(next, stride, k * B);
+      if (next) prefetch_next<P, R, 2 * W * B>(next, stride, k * B);
       for (int i = 0; i < R; ++i) {
         const typename V::F w0 = decode<V, F>(row[i] + k * B), w1 = decode<V, F>(row[i] + (k + W) * B);
         for (int j = 0; j < MT; ++j) {
@@ -56,7 +42,7 @@ inline void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* 
       for (int j = 0; j < MT; ++j) acc[i][j] = V::add(acc[i][j], acc2[i][j]);
   }
   for (; k + W <= k1; k += W) {
-    if (next) prefetch_next<R, W * B, kRowStreams>(next, stride, k * B);
+    if (next) prefetch_next<P, R, W * B>(next, stride, k * B);
     for (int i = 0; i < R; ++i) {
       const typename V::F w = decode<V, F>(row[i] + k * B);
       for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xs[j] + k), acc[i][j]);
@@ -83,12 +69,12 @@ inline void zero_and_finish(typename V::F (&acc)[R][MT], float (*out)[MT], bool 
 }
 
 // out[i][j] = sum over k in [0, n) of W[row i][k] * x[token j][k].
-template <class V, WFormat F, int R, int MT, bool kRowStreams>
+template <class V, WFormat F, int R, int MT, NextRows P>
 inline void fp_tile(const uint8_t* const* rowp, I64 n, const float* const* xr, float (&out)[R][MT],
                     const uint8_t* next) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
-  accumulate<V, F, R, MT, kRowStreams>(rowp, 0, n, xr, acc, next, n * bytes_per_weight<F>());
+  accumulate<V, F, R, MT, P>(rowp, 0, n, xr, acc, next, n * bytes_per_weight<F>());
   zero_and_finish<V, R, MT>(acc, out, true);
 }
 
@@ -110,14 +96,14 @@ inline void for_each_fp8_range(const Matrix& w, const I64* rows, bool fast, Fn&&
 // The fp8 tile of the GEMV path: per column range (for_each_fp8_range), the 3-operation decode against x scaled
 // for it, or the exact decode against x scaled for that (both give products * 2^-16; x_fast == nullptr: exact
 // everywhere).
-template <class V, int R, int MT, bool kRowStreams>
+template <class V, int R, int MT, NextRows P>
 inline void fp8_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows, const float* const* xfast,
                      const float* const* xexact, float (&out)[R][MT], const uint8_t* next) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
   for_each_fp8_range<R>(w, rows, xfast != nullptr, [&](bool exact, I64 k0, I64 k1) {
-    if (exact) accumulate<V, WFormat::FP8, R, MT, false>(rowp, k0, k1, xexact, acc, next, w.row_bytes);
-    else accumulate<V, kFp8Normal, R, MT, kRowStreams>(rowp, k0, k1, xfast, acc, next, w.row_bytes);
+    if (exact) accumulate<V, WFormat::FP8, R, MT, P>(rowp, k0, k1, xexact, acc, next, w.row_bytes);
+    else accumulate<V, kFp8Normal, R, MT, P>(rowp, k0, k1, xfast, acc, next, w.row_bytes);
   });
   zero_and_finish<V, R, MT>(acc, out, true);
 }
@@ -152,26 +138,26 @@ inline void for_each_token_tile(I64 M, Fn&& fn) {
 
 // All token tiles of one 4-row tile over whole rows: y rows [row0, row0 + valid) = W4 . x[m].
 // next: the following tile's rows, prefetched while the first token tile reads this one (may be nullptr).
-template <class V, WFormat F, bool kRowStreams>
+template <class V, WFormat F, NextRows P>
 inline void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const float* const* xrows, I64 M, float* y,
                                 I64 ldy, I64 row0, I64 valid, const uint8_t* next) {
   for_each_token_tile(M, [&](auto tile, I64 m) {
     constexpr int MT = decltype(tile)::kTokens;
     float o[4][MT];
-    fp_tile<V, F, 4, MT, kRowStreams>(rowp, n, xrows + m, o, m == 0 ? next : nullptr);
+    fp_tile<V, F, 4, MT, P>(rowp, n, xrows + m, o, m == 0 ? next : nullptr);
     store_tile<4, MT>(y, ldy, m, row0, valid, true, o);
   });
 }
 
 // All token tiles of one 4-row fp8 tile (see fp8_tile); rows[i] are the tile's row indices.
-template <class V, bool kRowStreams>
+template <class V, NextRows P>
 inline void fp8_row_tile_all_tokens(const Matrix& w, const uint8_t* const* rowp, const I64* rows,
                                     const float* const* xfast, const float* const* xexact, I64 M, float* y, I64 ldy,
                                     I64 row0, I64 valid, const uint8_t* next) {
   for_each_token_tile(M, [&](auto tile, I64 m) {
     constexpr int MT = decltype(tile)::kTokens;
     float o[4][MT];
-    fp8_tile<V, 4, MT, kRowStreams>(w, rowp, rows, xfast ? xfast + m : nullptr, xexact + m, o,
+    fp8_tile<V, 4, MT, P>(w, rowp, rows, xfast ? xfast + m : nullptr, xexact + m, o,
                                     m == 0 ? next : nullptr);
     store_tile<4, MT>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
   });
@@ -235,8 +221,8 @@ inline I64 segment_end(const Matrix& w, I64 r, I64 re) {
 // GEMV path: whole rows, tiles of 4 rows. fp8 block scales are folded into a copy of the few tokens'
 // activations per row block, so the inner loop is decode + FMA; column blocks without subnormal codes use the
 // 3-operation decode (activations scaled by 2^104 more, outputs by 2^16), the others the exact one (their
-// activation copy is made when first needed). kRowStreams: how each tile prefetches the next (prefetch_next).
-template <class V, WFormat F, bool kRowStreams>
+// activation copy is made when first needed). P: how each tile prefetches the next (NextRows).
+template <class V, WFormat F, NextRows P>
 void matmul_fp_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
   const I64 K = w.cols, M = x.m;
   const float* xrows[kMaxGemvTokens];
@@ -247,7 +233,7 @@ void matmul_fp_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x,
       const uint8_t* rowp[4];
       for (int i = 0; i < 4; ++i) rowp[i] = w.data + imin(r + i, r1 - 1) * w.row_bytes;  // short tile: repeat
       const uint8_t* next = next_tile_rows(w, r, r1, 4, K * bytes_per_weight<F>());
-      row_tile_all_tokens<V, F, kRowStreams>(rowp, K, xrows, M, y, ldy, r - r0, imin(4, r1 - r), next);
+      row_tile_all_tokens<V, F, P>(rowp, K, xrows, M, y, ldy, r - r0, imin(4, r1 - r), next);
     }
     return;
   }
@@ -272,7 +258,7 @@ void matmul_fp_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x,
         exact_ready = true;
       }
       const uint8_t* next = next_tile_rows(w, r, r1, 4, K);
-      fp8_row_tile_all_tokens<V, kRowStreams>(w, rowp, rows, fast ? xrows : nullptr, exact_rows, M, y, ldy,
+      fp8_row_tile_all_tokens<V, P>(w, rowp, rows, fast ? xrows : nullptr, exact_rows, M, y, ldy,
                                               r - r0, imin(4, s1 - r), next);
     }
     s0 = s1;
@@ -282,8 +268,11 @@ void matmul_fp_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x,
 
 template <class V, WFormat F>
 void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
-  if (w.row_bytes >= kRowStreamMinBytes) matmul_fp_gemv_tiles<V, F, true>(w, r0, r1, x, y, ldy);
-  else matmul_fp_gemv_tiles<V, F, false>(w, r0, r1, x, y, ldy);
+  switch (next_rows_policy(w.row_bytes, true)) {
+    case NextRows::LinearL1: return matmul_fp_gemv_tiles<V, F, NextRows::LinearL1>(w, r0, r1, x, y, ldy);
+    case NextRows::LinearL2: return matmul_fp_gemv_tiles<V, F, NextRows::LinearL2>(w, r0, r1, x, y, ldy);
+    case NextRows::StreamsL2: return matmul_fp_gemv_tiles<V, F, NextRows::StreamsL2>(w, r0, r1, x, y, ldy);
+  }
 }
 
 // dst[k] = decode(src[k]) * s for k in [kb, ke) (a partial last vector through a zero-padded copy).

@@ -33,9 +33,9 @@ inline void add_u4(__m256i& acc16, __m256i& acci, __m256i u, __m256i s) {
 // out[i][j] = sum over groups [g0, g1) of ws[i][g] * xs[j][g] * (integer dot of the group), kChunks = g / 32.
 // Scales are combined 8 groups at a time in vectors (weight scale x activation scale into a small table the
 // group loop broadcasts from), and so is the correction for unsigned-offset dot products (offset * ws * xs *
-// sum(q)). next (may be nullptr): the start of the R rows that follow, prefetched at the rate these are read
-// (see accumulate in kernels_simd_float.h).
-template <class V, WFormat F, ScaleType ST, int kChunks, int R, int MT>
+// sum(q)). next (may be nullptr): the start of the R rows that follow, prefetched at the rate these are read, as
+// one linear stream into L1 or L2 (P; see NextRows).
+template <class V, WFormat F, ScaleType ST, int kChunks, int R, int MT, NextRows P>
 inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 g0, I64 g1,
                      const int8_t* const* xq, const float* const* xs, const float* const* xsum,
                      float (&out)[R][MT], const uint8_t* next) {
@@ -74,7 +74,7 @@ inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I6
       if constexpr (kWideInt4)  // two chunks (64 elements) a step: one 32-byte load a row, no cross-lane unpack
         for (int c = 0; c < kChunks; c += 2) {
           const I64 e = e0 + c * 32;
-          if (next) prefetch_bytes<R * 2 * kChunkBytes>(next + e / 32 * R * kChunkBytes);
+          if (next) prefetch_next<P, R, 2 * kChunkBytes>(next, 0, e / 32 * kChunkBytes);
           __m256i lo[R], hi[R];  // lo: elements 0-15 of both chunks (lanes 0, 1), hi: their elements 16-31
           for (int i = 0; i < R; ++i) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rowp[i] + e / 2));
@@ -93,7 +93,7 @@ inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I6
         }
       for (int c = 0; c < (kWideInt4 ? 0 : kChunks); ++c) {
         const I64 e = e0 + c * 32;
-        if (next) prefetch_bytes<R * kChunkBytes>(next + e / 32 * R * kChunkBytes);
+        if (next) prefetch_next<P, R, kChunkBytes>(next, 0, e / 32 * kChunkBytes);
         __m256i wv[R];
         for (int i = 0; i < R; ++i) wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rowp[i] + e));
         for (int j = 0; j < MT; ++j) {
@@ -240,7 +240,7 @@ inline void int4_oct_step(const uint8_t* const* wrow, const uint16_t* const* sro
 
 // out[i][j] = the R rows' dot products with MT tokens over octs [o0, o1) (`groups` in the whole row: a last
 // partial oct goes through zero-padded copies). tables: oct_tables of the MT tokens.
-template <class V, ScaleType ST, int R, int MT>
+template <class V, ScaleType ST, int R, int MT, NextRows P>
 inline void int4_oct_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 o0, I64 o1, I64 groups,
                           const int8_t* const* xq, const float* const* tables, float (&out)[R][MT],
                           const uint8_t* next) {
@@ -253,7 +253,7 @@ inline void int4_oct_tile(const uint8_t* const* rowp, const uint16_t* const* sro
   const int8_t* xp[MT];
   const float* t[MT];
   for (I64 o = o0; o < full; ++o) {
-    if (next) prefetch_bytes<R * 128>(next + o * R * 128);
+    if (next) prefetch_next<P, R, 128>(next, 0, o * 128);
     for (int i = 0; i < R; ++i) w[i] = rowp[i] + 128 * o, s[i] = srow[i] + 8 * o;
     for (int j = 0; j < MT; ++j) xp[j] = xq[j] + 256 * o, t[j] = tables[j] + o * kOctFloats;
     int4_oct_step<V, ST, R, MT>(w, s, xp, t, acc);
@@ -280,7 +280,7 @@ inline void int4_oct_tile(const uint8_t* const* rowp, const uint16_t* const* sro
 
 // int4 with groups of 32 (see int4_oct_step): tiles of 4 rows, tokens two at a time (2 x 2 register tiles), a
 // last single token over all 4 rows; the GEMM path runs the same tiles over chunks of kGemmChunkK elements.
-template <class V, ScaleType ST>
+template <class V, ScaleType ST, NextRows P>
 void matmul_int4_g32(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
   const I64 M = x.m, groups = w.padded_cols / 32, octs = (groups + 7) / 8;
   const I64 oc = gemm ? kGemmChunkK / 256 : octs;
@@ -298,7 +298,7 @@ void matmul_int4_g32(const Matrix& w, I64 r0, I64 r1, const Activations& x, floa
         const float* t[2] = {table(m), table(m + 1)};
         for (int i = 0; i < 4; i += 2) {
           float o[2][2];
-          int4_oct_tile<V, ST, 2, 2>(tile.rowp + i, tile.srow + i, o0, o1, groups, xq, t, o,
+          int4_oct_tile<V, ST, 2, 2, P>(tile.rowp + i, tile.srow + i, o0, o1, groups, xq, t, o,
                                      m == 0 && tile.next ? tile.next + i * w.row_bytes : nullptr);
           store_tile<2, 2>(y, ldy, m, row0 + i, tile.valid - i, first, o);
         }
@@ -307,14 +307,14 @@ void matmul_int4_g32(const Matrix& w, I64 r0, I64 r1, const Activations& x, floa
         const int8_t* xq[1] = {q_row(x, m)};
         const float* t[1] = {table(m)};
         float o[4][1];
-        int4_oct_tile<V, ST, 4, 1>(tile.rowp, tile.srow, o0, o1, groups, xq, t, o, m == 0 ? tile.next : nullptr);
+        int4_oct_tile<V, ST, 4, 1, P>(tile.rowp, tile.srow, o0, o1, groups, xq, t, o, m == 0 ? tile.next : nullptr);
         store_tile<4, 1>(y, ldy, m, row0, tile.valid, first, o);
       }
     }
   }
 }
 
-template <class V, WFormat F, ScaleType ST, int kChunks>
+template <class V, WFormat F, ScaleType ST, int kChunks, NextRows P>
 void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
   const I64 M = x.m, groups = w.padded_cols / w.group;
   const I64 gc = gemm ? imax(1, kGemmChunkK / w.group) : groups;
@@ -336,7 +336,7 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
         }
         for (int i = 0; i < 4; i += kWideRows) {
           float o[kWideRows][4];
-          int_tile<V, F, ST, kChunks, kWideRows, 4>(tile.rowp + i, tile.srow + i, g0, g1, xq, xs, xsum, o,
+          int_tile<V, F, ST, kChunks, kWideRows, 4, P>(tile.rowp + i, tile.srow + i, g0, g1, xq, xs, xsum, o,
                                                     m == 0 && tile.next ? tile.next + i * w.row_bytes : nullptr);
           store_tile<kWideRows, 4>(y, ldy, m, row0 + i, tile.valid - i, first, o);
         }
@@ -347,7 +347,7 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
         const float* xsum[2] = {qsum_row(x, m), qsum_row(x, m + 1)};
         for (int i = 0; i < 4; i += 2) {
           float o[2][2];
-          int_tile<V, F, ST, kChunks, 2, 2>(tile.rowp + i, tile.srow + i, g0, g1, xq, xs, xsum, o,
+          int_tile<V, F, ST, kChunks, 2, 2, P>(tile.rowp + i, tile.srow + i, g0, g1, xq, xs, xsum, o,
                                             m == 0 && tile.next ? tile.next + i * w.row_bytes : nullptr);
           store_tile<2, 2>(y, ldy, m, row0 + i, tile.valid - i, first, o);
         }
@@ -357,18 +357,26 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
         const float* xs[1] = {qscale_row(x, m)};
         const float* xsum[1] = {qsum_row(x, m)};
         float o[4][1];
-        int_tile<V, F, ST, kChunks, 4, 1>(tile.rowp, tile.srow, g0, g1, xq, xs, xsum, o, m == 0 ? tile.next : nullptr);
+        int_tile<V, F, ST, kChunks, 4, 1, P>(tile.rowp, tile.srow, g0, g1, xq, xs, xsum, o, m == 0 ? tile.next : nullptr);
         store_tile<4, 1>(y, ldy, m, row0, tile.valid, first, o);
       }
     }
   }
 }
 
+// An int format's kernels with next-tile prefetch P.
+template <class V, WFormat F, ScaleType ST, NextRows P>
+void matmul_int_prefetching(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
+  if (w.group != 32) matmul_int<V, F, ST, 4, P>(w, r0, r1, x, y, ldy, gemm);
+  else if constexpr (F == WFormat::INT4) matmul_int4_g32<V, ST, P>(w, r0, r1, x, y, ldy, gemm);
+  else matmul_int<V, F, ST, 1, P>(w, r0, r1, x, y, ldy, gemm);
+}
+
 template <class V, WFormat F, ScaleType ST>
 void matmul_int_group(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
-  if (w.group != 32) matmul_int<V, F, ST, 4>(w, r0, r1, x, y, ldy, gemm);
-  else if constexpr (F == WFormat::INT4) matmul_int4_g32<V, ST>(w, r0, r1, x, y, ldy, gemm);
-  else matmul_int<V, F, ST, 1>(w, r0, r1, x, y, ldy, gemm);
+  if (next_rows_policy(w.row_bytes, false) == NextRows::LinearL2)
+    return matmul_int_prefetching<V, F, ST, NextRows::LinearL2>(w, r0, r1, x, y, ldy, gemm);
+  matmul_int_prefetching<V, F, ST, NextRows::LinearL1>(w, r0, r1, x, y, ldy, gemm);
 }
 
 }  // namespace

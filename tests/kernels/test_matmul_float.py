@@ -121,17 +121,18 @@ def test_fp8_blocks_with_and_without_subnormals(each_isa, path):
            bf16=_bf16(big, path, 2, "fp8", q, big_scales, (32, 128)))
 
 
-@pytest.mark.parametrize("fmt,cols", [("f32", 1600), ("bf16", 3100), ("f16", 3100), ("fp8", 6150)])
-def test_gemv_rows_of_6_kb_and_more(each_isa, fmt, cols):
-    """Rows of >= 6 KB (kRowStreamMinBytes): the GEMV prefetches the next tile as one stream a row instead of
-    one linear stream; several tiles, a short last one, partial last vectors and (fp8) a partial last block
-    and a block with a subnormal code (the exact decode beside the fast one)."""
+@pytest.mark.parametrize("fmt,cols", [("f32", 1600), ("bf16", 3100), ("f16", 3100), ("fp8", 6150), ("bf16", 1700),
+                                      ("fp8", 3500)])
+def test_gemv_rows_of_3_kb_and_more(each_isa, fmt, cols):
+    """Rows of >= 3 KB prefetch the next tile into L2, of >= 4 KB as one stream a row (NextRows); several tiles,
+    a short last one, partial last vectors and (fp8) a partial last block and a block with a subnormal code
+    (the exact decode beside the fast one)."""
     gen = torch.Generator().manual_seed(seed(fmt, cols, each_isa))
     rows = 21
     if fmt == "fp8":
         q, s = random_fp8(rows, cols, (128, 128), gen, normal_only=True)
         codes = q.view(torch.uint8).clone()
-        codes[9, 3000] = 0x05
+        codes[9, cols // 2] = 0x05
         q = codes.view(torch.float8_e4m3fn)
         w64, m, bf16 = reference.dequantize("fp8", q, s), kernel_matrix("fp8", q, s), ("fp8", q, s, (128, 128))
     else:
