@@ -346,6 +346,13 @@ NB_MODULE(_native, mod) {
       .def_prop_ro("gemm_min_tokens",
                    [](const PyMatrix& p) { return gemm_min_tokens(p.m.fmt, active_kernels()->bf16_dot); },
                    "Tokens from which path='auto' takes the GEMM path (fewer: the GEMV path), for the active ISA.")
+      .def_prop_ro("bf16_dot_min_tokens",
+                   [](const PyMatrix& p) -> int64_t {
+                     const bool dot = active_kernels()->bf16_dot && (p.m.fmt == WFormat::FP8 || p.m.fmt == WFormat::BF16);
+                     return dot ? bf16_dot_min_tokens(p.m.fmt) : -1;
+                   },
+                   "Tokens from which the GEMV path multiplies with bf16 dot products (activations rounded to bf16) "
+                   "under the active ISA; -1 where it never does (ISA or format).")
       .def_prop_ro("flag_bytes", [](const PyMatrix& p) { return p.row_flags ? p.row_flags->size() : size_t{0}; },
                    "fp8: bytes of the per-row NaN / per-block subnormal flags made at load")
       .def_prop_ro("nan_rows", [](const PyMatrix& p) {
@@ -399,7 +406,8 @@ NB_MODULE(_native, mod) {
   mod.def("isa_names", &isa_names);
   mod.def("isa_unavailable_reason", &isa_unavailable_reason, "name"_a);
   mod.def("isa_auto_selected", &isa_auto_selected, "name"_a,
-          "Whether `name` may be chosen without HYBRIDMOE_ISA (false for emulations kept for tests)");
+          "Whether `name` may be chosen without HYBRIDMOE_ISA (false for the avx2bf16 emulation kept for tests; "
+          "avx512bf16 on AMD CPUs only)");
   mod.def("active_isa", [] { return std::string(active_kernels()->name); });
   mod.def("isa_bf16_dot", [](const std::string& name) { return kernels_for(name)->bf16_dot; }, "name"_a,
           "Whether ISA `name` rounds the activations of bf16 and fp8 matmuls to bf16 (bf16 dot products); "

@@ -16,6 +16,7 @@ struct CpuFeatures {
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512vnni = false, avx512bf16 = false, avx512vbmi = false;
   bool os_avx = false, os_avx512 = false;  // the OS saves ymm / zmm state
+  bool amd = false;                         // vendor AuthenticAMD
 };
 
 const CpuFeatures& cpu_features();
@@ -23,7 +24,7 @@ std::vector<std::pair<std::string, bool>> cpu_feature_list();
 
 // ISAs in order of preference, each with whether this CPU can run it and this build has it.
 std::vector<std::string> isa_names();  // {"avx512bf16", "avx512", "avx2", "avx2bf16", "scalar"}
-bool isa_auto_selected(const std::string& name);  // false for avx512bf16 and avx2bf16
+bool isa_auto_selected(const std::string& name);  // false for avx2bf16; avx512bf16 on AMD CPUs only
 bool isa_compiled(const std::string& name);
 // Empty if `name` can run here; otherwise why not (names the missing features).
 std::string isa_unavailable_reason(const std::string& name);

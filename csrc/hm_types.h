@@ -80,7 +80,17 @@ constexpr int64_t kGemmMinTokensInt = 192;
 constexpr int64_t kMaxGemvTokens = kGemmMinTokensFloat - 1;  // the most tokens the float GEMV path takes
 
 // With bf16 dot products (KernelTable::bf16_dot) bf16 and fp8 weights stay on the GEMV path up to
-// kMaxGemvTokens, the bf16 dot-product tiles' range (kernels_simd_bf16.h).
+// kMaxGemvTokens, the bf16 dot-product tiles' range (kernels_simd_bf16.h), from bf16_dot_min_tokens tokens per
+// expert; fewer take the float32 GEMV. Measured on Zen 4 (benchmarks/bf16_dot.py, one DeepSeek-V3 gate matrix
+// from memory, both threads, bf16 dot / float32): fp8 0.91-1.0x at 1-2 tokens, 1.17x at 3, 1.5x at 4-16; bf16
+// 1.0x at 1-2, 0.78-0.97x at 3, 1.17x at 4, 1.55x at 16.
+constexpr int64_t kBf16DotMinTokensFp8 = 3;
+constexpr int64_t kBf16DotMinTokensBf16 = 4;
+
+static inline int64_t bf16_dot_min_tokens(WFormat f) {
+  return f == WFormat::FP8 ? kBf16DotMinTokensFp8 : kBf16DotMinTokensBf16;
+}
+
 static inline int64_t gemm_min_tokens(WFormat f, bool bf16_dot = false) {
   if (bf16_dot && (f == WFormat::FP8 || f == WFormat::BF16)) return kGemmMinTokensFloat;
   return f == WFormat::FP8 ? kGemmMinTokensFp8 : is_int_format(f) ? kGemmMinTokensInt : kGemmMinTokensFloat;

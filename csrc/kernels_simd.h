@@ -28,15 +28,14 @@
 namespace hm {
 namespace {
 
-// A float format's path: GEMV (with bf16 dot products for bf16 and fp8 weights where V has them) up to
-// kMaxGemvTokens tokens unless `gemm`, else the GEMM panels.
+// A float format's path: GEMV up to kMaxGemvTokens tokens unless `gemm` (for bf16 and fp8 weights with bf16
+// dot products where V has them, from bf16_dot_min_tokens tokens), else the GEMM panels.
 template <class V, WFormat F>
 void matmul_fp(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
   if (gemm || x.m > kMaxGemvTokens) return matmul_fp_gemm<V, F>(w, r0, r1, x, y, ldy);
   if constexpr (V::kBf16Dot && (F == WFormat::BF16 || F == WFormat::FP8))
-    return matmul_bf16_dot_gemv<V, F>(w, r0, r1, x, y, ldy);
-  else
-    return matmul_fp_gemv<V, F>(w, r0, r1, x, y, ldy);
+    if (x.m >= bf16_dot_min_tokens(F)) return matmul_bf16_dot_gemv<V, F>(w, r0, r1, x, y, ldy);
+  return matmul_fp_gemv<V, F>(w, r0, r1, x, y, ldy);
 }
 
 template <class V>

@@ -32,16 +32,15 @@ inline typename V::B decode_b(const uint8_t* p) {
 }
 
 // acc[i][j] += sum over k in [k0, k1) of W[row i][k] * xb[token j][k], L weights a step; a partial last step
-// reads its weights through a zero-padded copy. next: as in accumulate (kernels_simd_float.h), prefetched as one
-// linear stream into L1 (NextRows::LinearL1; these tiles were not measured with the other policies).
-template <class V, WFormat F, int R, int MT>
+// reads its weights through a zero-padded copy. next, P: as in accumulate (kernels_simd_float.h).
+template <class V, WFormat F, int R, int MT, NextRows P>
 inline void accumulate_b(const uint8_t* const* rowp, I64 k0, I64 k1, const uint16_t* const* xr,
-                         typename V::F (&acc)[R][MT], const uint8_t* next) {
+                         typename V::F (&acc)[R][MT], const uint8_t* next, I64 stride) {
   constexpr int L = 2 * V::W;
   constexpr I64 B = bytes_per_weight<F>();
   I64 k = k0;
   for (; k + L <= k1; k += L) {
-    if (next) prefetch_next<NextRows::LinearL1, R, L * B>(next, 0, k * B);
+    if (next) prefetch_next<P, R, L * B>(next, stride, k * B);
     for (int i = 0; i < R; ++i) {
       const typename V::B w = decode_b<V, F>(rowp[i] + k * B);
       for (int j = 0; j < MT; ++j) acc[i][j] = V::dot_b(acc[i][j], w, V::load_b(xr[j] + k));
@@ -61,17 +60,17 @@ inline void accumulate_b(const uint8_t* const* rowp, I64 k0, I64 k1, const uint1
 // out[i][j] = W[row i] . x[token j] for one tile (R rows x MT tokens). bf16 weights: one pass over the rows.
 // fp8: per column range (for_each_fp8_range), the bit-placement decode against xfast or the exact decode against
 // xexact (both products * 2^-16); xfast == nullptr: exact everywhere.
-template <class V, WFormat F, int R, int MT>
+template <class V, WFormat F, int R, int MT, NextRows P>
 inline void bf16_dot_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows, const uint16_t* const* xfast,
                           const uint16_t* const* xexact, float (&out)[R][MT], const uint8_t* next) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
   if constexpr (F == WFormat::BF16) {
-    accumulate_b<V, WFormat::BF16, R, MT>(rowp, 0, w.cols, xfast, acc, next);
+    accumulate_b<V, WFormat::BF16, R, MT, P>(rowp, 0, w.cols, xfast, acc, next, w.row_bytes);
   } else {
     for_each_fp8_range<R>(w, rows, xfast != nullptr, [&](bool exact, I64 k0, I64 k1) {
-      if (exact) accumulate_b<V, WFormat::FP8, R, MT>(rowp, k0, k1, xexact, acc, next);
-      else accumulate_b<V, kFp8Normal, R, MT>(rowp, k0, k1, xfast, acc, next);
+      if (exact) accumulate_b<V, WFormat::FP8, R, MT, P>(rowp, k0, k1, xexact, acc, next, w.row_bytes);
+      else accumulate_b<V, kFp8Normal, R, MT, P>(rowp, k0, k1, xfast, acc, next, w.row_bytes);
     });
   }
   zero_and_finish<V, R, MT>(acc, out, true);
@@ -94,9 +93,10 @@ inline void for_each_token_tile_upto(I64 M, Fn&& fn) {
   for (I64 m = 0; m < M; m += MaxMT) token_tile_of<MaxMT>(imin(MaxMT, M - m), m, fn);
 }
 
-// The GEMV path with bf16 dot products: whole rows, tiles of 4 rows x up to V::kBf16Tokens tokens.
-template <class V, WFormat F>
-void matmul_bf16_dot_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
+// The GEMV path with bf16 dot products: whole rows, tiles of 4 rows x up to V::kBf16Tokens tokens, each
+// prefetching the next as P says (NextRows).
+template <class V, WFormat F, NextRows P>
+void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
   constexpr int R = 4;
   constexpr I64 B = bytes_per_weight<F>();
   const I64 K = w.cols, M = x.m, ld = bf16_row_length<V>(K);
@@ -131,7 +131,7 @@ void matmul_bf16_dot_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x,
       for_each_token_tile_upto<V::kBf16Tokens>(M, [&](auto tile, I64 m) {
         constexpr int MT = decltype(tile)::kTokens;
         float o[R][MT];
-        bf16_dot_tile<V, F, R, MT>(w, rowp, rows, fast ? fast_rows + m : nullptr, exact_rows + m, o,
+        bf16_dot_tile<V, F, R, MT, P>(w, rowp, rows, fast ? fast_rows + m : nullptr, exact_rows + m, o,
                                    m == 0 ? next : nullptr);
         store_tile<R, MT>(y, ldy, m, r - r0, imin(R, s1 - r), true, o, output_scale);
       });
@@ -139,6 +139,15 @@ void matmul_bf16_dot_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x,
     s0 = s1;
   }
   if constexpr (F == WFormat::FP8) set_nan_rows(w, r0, r1, M, y, ldy);
+}
+
+template <class V, WFormat F>
+void matmul_bf16_dot_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
+  switch (next_rows_policy(w.row_bytes, true)) {
+    case NextRows::LinearL1: return matmul_bf16_dot_gemv_tiles<V, F, NextRows::LinearL1>(w, r0, r1, x, y, ldy);
+    case NextRows::LinearL2: return matmul_bf16_dot_gemv_tiles<V, F, NextRows::LinearL2>(w, r0, r1, x, y, ldy);
+    case NextRows::StreamsL2: return matmul_bf16_dot_gemv_tiles<V, F, NextRows::StreamsL2>(w, r0, r1, x, y, ldy);
+  }
 }
 
 }  // namespace

@@ -357,7 +357,8 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
         const float* xs[1] = {qscale_row(x, m)};
         const float* xsum[1] = {qsum_row(x, m)};
         float o[4][1];
-        int_tile<V, F, ST, kChunks, 4, 1, P>(tile.rowp, tile.srow, g0, g1, xq, xs, xsum, o, m == 0 ? tile.next : nullptr);
+        int_tile<V, F, ST, kChunks, 4, 1, P>(tile.rowp, tile.srow, g0, g1, xq, xs, xsum, o,
+                                             m == 0 ? tile.next : nullptr);
         store_tile<4, 1>(y, ldy, m, row0, tile.valid, first, o);
       }
     }

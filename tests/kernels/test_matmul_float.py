@@ -41,7 +41,8 @@ def _check(out: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, rtol: float = 
 def _bf16(m, path: str, tokens: int, fmt: str, data, scales=None, block=(128, 128)):
     """(fmt, data, scales, block) when the active ISA runs this call with bf16 dot products, else None."""
     gemv = (path == "gemv" and tokens <= MAX_GEMV_TOKENS) or (path == "auto" and tokens < m.gemm_min_tokens)
-    return (fmt, data, scales, block) if isa.bf16_dot() and fmt in ("bf16", "fp8") and gemv else None
+    dot = isa.bf16_dot() and fmt in ("bf16", "fp8") and 0 <= m.bf16_dot_min_tokens <= tokens
+    return (fmt, data, scales, block) if dot and gemv else None
 
 
 @pytest.mark.parametrize("fmt,dtype", [("f32", torch.float32), ("bf16", torch.bfloat16), ("f16", torch.float16)])
@@ -142,6 +143,34 @@ def test_gemv_rows_of_3_kb_and_more(each_isa, fmt, cols):
     for tokens in (1, 2, 3, 5):
         x = torch.randn(tokens, cols, generator=gen)
         _check(matmul(m, x, "gemv"), x, w64, bf16=bf16 if _bf16(m, "gemv", tokens, fmt, None) else None)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_bf16_dot_isas_run_fewer_tokens_as_their_float32_isa(fmt):
+    """Below Matrix.bf16_dot_min_tokens tokens (3 fp8, 4 bf16) a bf16 dot-product ISA runs the float32 GEMV of
+    its base ISA, bit for bit; from there on it rounds the activations to bf16 (results differ)."""
+    names = [name for name in isa.available_isas() if isa.bf16_dot(name)]
+    if not names:
+        pytest.skip("no bf16 dot-product ISA here")
+    gen = torch.Generator().manual_seed(seed(fmt, "threshold"))
+    rows, cols = 30, 700
+    if fmt == "fp8":
+        q, s = random_fp8(rows, cols, (128, 128), gen)
+        m = kernel_matrix("fp8", q, s)
+    else:
+        m = kernel_matrix("bf16", torch.randn(rows, cols, generator=gen).bfloat16())
+    for name in names:
+        with isa.use_isa(name):
+            threshold = m.bf16_dot_min_tokens
+        assert threshold == {"fp8": 3, "bf16": 4}[fmt]
+        for tokens in range(1, threshold + 1):
+            x = torch.randn(tokens, cols, generator=gen)
+            with isa.use_isa(name):
+                dot = matmul(m, x, "gemv")
+            with isa.use_isa(name.removesuffix("bf16")):
+                assert m.bf16_dot_min_tokens == -1
+                plain = matmul(m, x, "gemv")
+            assert torch.equal(dot, plain) == (tokens < threshold), (name, tokens)
 
 
 @pytest.mark.parametrize("tokens,path", [(1, "gemv"), (2, "gemv"), (9, "gemm")])

@@ -1,10 +1,12 @@
 """Which kernel ISA runs, what the CPU offers, and the kernels' thread pool.
 
-The best ISA the CPU and the build support runs (avx512 > avx2 > scalar);
+The best ISA the CPU and the build support runs (avx512bf16 on AMD CPUs > avx512 > avx2 > scalar);
 HYBRIDMOE_ISA=scalar|avx2|avx2bf16|avx512|avx512bf16 forces one (an unusable value raises ValueError naming the
-missing CPU features). avx512bf16 runs bf16 and fp8 weights with bf16 dot products (activations rounded to
-bf16); avx2bf16 emulates those on AVX2 to test them anywhere. Neither is chosen by itself: avx512bf16 measured
-no faster than avx512 (docs/kernels.md).
+missing CPU features). avx512bf16 runs bf16 and fp8 weights on the GEMV path with bf16 dot products
+(activations rounded to bf16) from Matrix.bf16_dot_min_tokens tokens per expert (3 fp8, 4 bf16), and as avx512
+otherwise; avx2bf16 emulates it on AVX2 to test it anywhere and is never chosen by itself. avx512bf16 is chosen
+on AMD CPUs only: on Zen 4 it ran the MoE 1.1-1.8x as fast as avx512 where it multiplies in bf16, on a Xeon
+(Emerald Rapids) 0.82-1.10x (docs/kernels.md).
 HYBRIDMOE_NUM_THREADS sets the pool size (default: the CPUs this process may use).
 """
 
@@ -32,7 +34,8 @@ def unavailable_reason(name: str) -> str:
 
 
 def auto_selected(name: str) -> bool:
-    """Whether `name` may run without being forced (False for the bf16 dot-product ISAs, see the module's doc)."""
+    """Whether `name` may run without being forced (never avx2bf16; avx512bf16 on AMD CPUs; see the module's
+    doc)."""
     return _native.isa_auto_selected(name)
 
 
@@ -64,7 +67,8 @@ def use_isa(name: str) -> Iterator[None]:
 
 
 def cpu_features() -> dict[str, bool]:
-    """The SIMD features the kernels care about, as detected (OS support included)."""
+    """The SIMD features the kernels care about, as detected (OS support included), and "amd" (the CPU's vendor
+    is AMD: the automatic choice takes avx512bf16 there)."""
     return dict(_native.cpu_features())
 
 
