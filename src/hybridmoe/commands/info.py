@@ -48,7 +48,8 @@ def run(args) -> int:
         reason = isa.unavailable_reason(name)
         notes = []
         if not reason and isa.bf16_dot(name):
-            notes.append("bf16 dot products for bf16/fp8 weights, activations rounded to bf16")
+            notes.append("bf16 dot products for bf16/fp8 weights from 4/3 tokens per expert, activations rounded "
+                         "to bf16")
         if name == "avx2bf16" and not reason:
             notes.append("emulated, for tests")
         if not reason and not isa.auto_selected(name):
