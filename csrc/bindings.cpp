@@ -348,8 +348,8 @@ NB_MODULE(_native, mod) {
                    "Tokens from which path='auto' takes the GEMM path (fewer: the GEMV path), for the active ISA.")
       .def_prop_ro("bf16_dot_min_tokens",
                    [](const PyMatrix& p) -> int64_t {
-                     const bool dot = active_kernels()->bf16_dot && (p.m.fmt == WFormat::FP8 || p.m.fmt == WFormat::BF16);
-                     return dot ? bf16_dot_min_tokens(p.m.fmt) : -1;
+                     const bool dot_format = p.m.fmt == WFormat::FP8 || p.m.fmt == WFormat::BF16;
+                     return active_kernels()->bf16_dot && dot_format ? bf16_dot_min_tokens(p.m.fmt) : -1;
                    },
                    "Tokens from which the GEMV path multiplies with bf16 dot products (activations rounded to bf16) "
                    "under the active ISA; -1 where it never does (ISA or format).")

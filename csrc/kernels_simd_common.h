@@ -45,11 +45,12 @@ inline typename V::F decode(const uint8_t* p) {
 // How a GEMV tile prefetches the next tile's R rows (back to back, stride bytes each) while it reads its own, by
 // row length (next_rows_policy): one linear stream over the R rows, R times as fast as a row is read, into L1
 // (short rows) or L2; or (float GEMV, long rows) R streams, each of the next rows at this tile's position, into
-// L2. Measured 2026-11-30 on Zen 4 (one thread, rows from memory, same process, GB/s of weights, AVX-512 and
-// AVX2 tables alike): linear into L1 -> R streams into L2, DeepSeek-V3's 7 KB fp8 rows 15.2 -> 19.0 at one token
-// and 14 KB bf16 rows 16.8 -> 20.1 (1.3-1.5x at two tokens), 4 KB bf16 rows 1.15-1.2x (1.7x at two tokens);
-// linear into L1 -> into L2, 3.5 / 7 KB int4 / int8 rows 1.15-1.3x / 1.2x (1.3-1.7x at two tokens); but 2 KB fp8
-// and 1 KB int4 rows 0.84-0.98x and 0.68-0.75x at one token, where the next tile's lines must already be in L1.
+// L2. Measured 2026-11-30 on Zen 4 (one thread, rows from memory, old and new code in one process, GB/s of
+// weights at one token): linear -> R streams, both into L1, DeepSeek-V3's 7 KB fp8 rows 12.4 -> 16.9 and 14 KB
+// bf16 rows 14.7 -> 18.2, but Qwen3's 2 KB fp8 / 4 KB bf16 rows 20.3 -> 11.8 / 22.7 -> 16.7; then into L2
+// rather than L1: 7 KB fp8 streams 15.2 -> 19.0, and this policy against the one before it 1.1-1.4x at one token
+// and 1.3-1.85x at two for rows of 3.5-14 KB (fp8, bf16, int4, int8), while linear into L2 read 2 KB fp8 and 1 KB
+// int4 rows at 0.84-0.98x and 0.68-0.75x (their next tile's lines must be in L1 when it starts).
 enum class NextRows { LinearL1, LinearL2, StreamsL2 };
 
 constexpr I64 kPrefetchL2MinBytes = 3 << 10;  // rows from which the next tile goes to L2 rather than L1
