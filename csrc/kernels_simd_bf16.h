@@ -143,11 +143,9 @@ void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activatio
 
 template <class V, WFormat F>
 void matmul_bf16_dot_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
-  switch (next_rows_policy(w.row_bytes, true)) {
-    case NextRows::LinearL1: return matmul_bf16_dot_gemv_tiles<V, F, NextRows::LinearL1>(w, r0, r1, x, y, ldy);
-    case NextRows::LinearL2: return matmul_bf16_dot_gemv_tiles<V, F, NextRows::LinearL2>(w, r0, r1, x, y, ldy);
-    case NextRows::StreamsL2: return matmul_bf16_dot_gemv_tiles<V, F, NextRows::StreamsL2>(w, r0, r1, x, y, ldy);
-  }
+  with_next_rows<true>(w.row_bytes, [&](auto tag) {
+    matmul_bf16_dot_gemv_tiles<V, F, decltype(tag)::kPolicy>(w, r0, r1, x, y, ldy);
+  });
 }
 
 }  // namespace

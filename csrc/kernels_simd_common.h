@@ -43,7 +43,7 @@ inline typename V::F decode(const uint8_t* p) {
 }
 
 // How a GEMV tile prefetches the next tile's R rows (back to back, stride bytes each) while it reads its own, by
-// row length (next_rows_policy): one linear stream over the R rows, R times as fast as a row is read, into L1
+// row length (with_next_rows): one linear stream over the R rows, R times as fast as a row is read, into L1
 // (short rows) or L2; or (float GEMV, long rows) R streams, each of the next rows at this tile's position, into
 // L2. Measured 2026-11-30 on Zen 4 (one thread, rows from memory, old and new code in one process, GB/s of
 // weights at one token): linear -> R streams, both into L1, DeepSeek-V3's 7 KB fp8 rows 12.4 -> 16.9 and 14 KB
@@ -56,9 +56,18 @@ enum class NextRows { LinearL1, LinearL2, StreamsL2 };
 constexpr I64 kPrefetchL2MinBytes = 3 << 10;  // rows from which the next tile goes to L2 rather than L1
 constexpr I64 kRowStreamMinBytes = 4 << 10;   // rows from which the float GEMV prefetches R streams
 
-inline NextRows next_rows_policy(I64 row_bytes, bool streams) {
-  if (streams && row_bytes >= kRowStreamMinBytes) return NextRows::StreamsL2;
-  return row_bytes >= kPrefetchL2MinBytes ? NextRows::LinearL2 : NextRows::LinearL1;
+template <NextRows P>
+struct NextRowsTag {
+  static constexpr NextRows kPolicy = P;
+};
+
+// fn(NextRowsTag<P>{}) with the policy P for rows of row_bytes (R streams only where kStreams).
+template <bool kStreams, class Fn>
+inline void with_next_rows(I64 row_bytes, Fn&& fn) {
+  if constexpr (kStreams)
+    if (row_bytes >= kRowStreamMinBytes) return fn(NextRowsTag<NextRows::StreamsL2>{});
+  if (row_bytes >= kPrefetchL2MinBytes) return fn(NextRowsTag<NextRows::LinearL2>{});
+  fn(NextRowsTag<NextRows::LinearL1>{});
 }
 
 // The next tile's prefetch at byte `pos` of this tile's rows, which it reads kStepBytes a step (see NextRows).

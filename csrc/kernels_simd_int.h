@@ -375,9 +375,9 @@ void matmul_int_prefetching(const Matrix& w, I64 r0, I64 r1, const Activations& 
 
 template <class V, WFormat F, ScaleType ST>
 void matmul_int_group(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
-  if (next_rows_policy(w.row_bytes, false) == NextRows::LinearL2)
-    return matmul_int_prefetching<V, F, ST, NextRows::LinearL2>(w, r0, r1, x, y, ldy, gemm);
-  matmul_int_prefetching<V, F, ST, NextRows::LinearL1>(w, r0, r1, x, y, ldy, gemm);
+  with_next_rows<false>(w.row_bytes, [&](auto tag) {
+    matmul_int_prefetching<V, F, ST, decltype(tag)::kPolicy>(w, r0, r1, x, y, ldy, gemm);
+  });
 }
 
 }  // namespace
