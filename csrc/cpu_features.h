@@ -1,6 +1,7 @@
 // CPU feature detection (cpuid + OS register-state support) and the run-time choice of kernel ISA.
 // HYBRIDMOE_ISA=scalar|avx2|avx2bf16|avx512|avx512bf16 forces one; otherwise the best one the CPU and the build
-// support runs among avx512, avx2, scalar (the bf16 dot-product tables only when forced: see isa_auto_selected).
+// support runs among avx512bf16 (AMD CPUs only), avx512, avx2, scalar (avx2bf16, an emulation, only when forced:
+// see isa_auto_selected).
 #pragma once
 
 #include <string>

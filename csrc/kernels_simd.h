@@ -8,12 +8,12 @@
 //    one float multiply-add per group with the weight and activation scales (int4 with 32-groups: per 8
 //    groups, their integer sums folded into one vector first).
 //  - tables whose vocabulary has kBf16Dot (avx512bf16; avx2bf16 emulates it) run bf16 and fp8 weights on the
-//    GEMV path with bf16 activations and bf16 dot products (kernels_simd_bf16.h);
+//    GEMV path from bf16_dot_min_tokens tokens with bf16 activations and bf16 dot products (kernels_simd_bf16.h);
 // GEMV path (few tokens): register tiles of R rows x MT tokens over whole rows (vectors along K), sharing each
-// decoded weight vector across tokens, the next tile's rows prefetched. GEMM path (many tokens), K in chunks:
-// float formats decode a panel of rows once and multiply it by the transposed activations as outer products
-// (vectors along tokens); int formats keep row x token tiles of integer dot products, partial sums
-// accumulating in y.
+// decoded weight vector across tokens, the next tile's rows prefetched (NextRows, by row length). GEMM path
+// (many tokens), K in chunks: float formats decode a panel of rows once and multiply it by the transposed
+// activations as outer products (vectors along tokens); int formats keep row x token tiles of integer dot
+// products, partial sums accumulating in y.
 //
 // Everything here has internal linkage (anonymous namespace) and uses no std:: templates, so that code
 // compiled for one ISA can never be linked into another ISA's path.
