@@ -25,34 +25,66 @@ constexpr I64 bf16_row_length(I64 K) {
 }
 
 template <class V, WFormat F>
-inline typename V::B decode_b(const uint8_t* p) {
+HM_TILE_INLINE typename V::B decode_b(const uint8_t* p) {
   if constexpr (F == WFormat::BF16) return V::load_b(reinterpret_cast<const uint16_t*>(p));
   else if constexpr (F == kFp8Normal) return V::fp8_normal_b(p);
   else return V::fp8_exact_b(p);
 }
 
+// Whether a finite x[k] * s[column block] * unscale of the row rounds to an infinite bf16 (see scale_activations).
+inline bool bf16_row_overflows(const float* src, I64 K, I64 bc, const float* srow, float unscale) {
+  for (I64 k = 0; k < K; ++k) {
+    const float s = (srow ? srow[k / bc] : 1.0f) * unscale;
+    if (std::fabs(src[k]) <= FLT_MAX && (bf16_bits(src[k] * s) & 0x7FFF) == 0x7F80) return true;
+  }
+  return false;
+}
+
+// scale_activations (kernels_simd_float.h) into bf16, by the vocabulary's own rounding where it has one
+// (V::scale_to_bf16; the exact overflow test then runs only for rows where an output came out infinite).
+template <class V>
+inline bool scale_activations_bf16(const Matrix& w, const float* srow, const Activations& x, float unscale,
+                                   uint16_t* dst, I64 ld, const uint16_t** rows) {
+  if constexpr (!V::kNativeBf16Round) {
+    return scale_activations(w, srow, x, unscale, dst, ld, rows);
+  } else {
+    const I64 K = w.cols, bc = srow ? w.block_cols : K;
+    bool fits = true;
+    for (I64 m = 0; m < x.m; ++m) {
+      uint16_t* out = dst + m * ld;
+      const float* src = x_row(x, m);
+      bool infinite = false;
+      for (I64 kb = 0; kb < K; kb += bc)
+        infinite |= V::scale_to_bf16(src + kb, (srow ? srow[kb / bc] : 1.0f) * unscale, out + kb, imin(K, kb + bc) - kb);
+      std::memset(out + K, 0, static_cast<size_t>(ld - K) * sizeof(uint16_t));
+      rows[m] = out;
+      if (infinite && bf16_row_overflows(src, K, bc, srow, unscale)) fits = false;
+    }
+    return fits;
+  }
+}
+
 // acc[i][j] += sum over k in [k0, k1) of W[row i][k] * xb[token j][k], L weights a step; a partial last step
 // reads its weights through a zero-padded copy. next, P: as in accumulate (kernels_simd_float.h).
 template <class V, WFormat F, int R, int MT, NextRows P>
-inline void accumulate_b(const uint8_t* const* rowp, I64 k0, I64 k1, const uint16_t* const* xr,
+HM_TILE_INLINE void accumulate_b(const uint8_t* const* rowp, I64 k0, I64 k1, const uint16_t* const* xr,
                          typename V::F (&acc)[R][MT], const uint8_t* next, I64 stride) {
   constexpr int L = 2 * V::W;
   constexpr I64 B = bytes_per_weight<F>();
   I64 k = k0;
   for (; k + L <= k1; k += L) {
     if (next) prefetch_next<P, R, L * B>(next, stride, k * B);
-    for (int i = 0; i < R; ++i) {
+    HM_UNROLL for (int i = 0; i < R; ++i) {
       const typename V::B w = decode_b<V, F>(rowp[i] + k * B);
-      for (int j = 0; j < MT; ++j) acc[i][j] = V::dot_b(acc[i][j], w, V::load_b(xr[j] + k));
+      HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = V::dot_b(acc[i][j], w, V::load_b(xr[j] + k));
     }
   }
-  if (k < k1) {
-    alignas(64) uint8_t tail[L * B];
-    for (int i = 0; i < R; ++i) {
-      std::memset(tail, 0, sizeof(tail));
-      std::memcpy(tail, rowp[i] + k * B, static_cast<size_t>((k1 - k) * B));
-      const typename V::B w = decode_b<V, F>(tail);
-      for (int j = 0; j < MT; ++j) acc[i][j] = V::dot_b(acc[i][j], w, V::load_b(xr[j] + k));
+  if (k < k1) {  // the rows' tails copied first: acc is indexed by constants only (it stays in registers)
+    alignas(64) uint8_t tail[R][L * B] = {};
+    for (int i = 0; i < R; ++i) std::memcpy(tail[i], rowp[i] + k * B, static_cast<size_t>((k1 - k) * B));
+    HM_UNROLL for (int i = 0; i < R; ++i) {
+      const typename V::B w = decode_b<V, F>(tail[i]);
+      HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = V::dot_b(acc[i][j], w, V::load_b(xr[j] + k));
     }
   }
 }
@@ -61,14 +93,14 @@ inline void accumulate_b(const uint8_t* const* rowp, I64 k0, I64 k1, const uint1
 // fp8: per column range (for_each_fp8_range), the bit-placement decode against xfast or the exact decode against
 // xexact (both products * 2^-16); xfast == nullptr: exact everywhere.
 template <class V, WFormat F, int R, int MT, NextRows P>
-inline void bf16_dot_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows, const uint16_t* const* xfast,
+HM_TILE_INLINE void bf16_dot_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows, const uint16_t* const* xfast,
                           const uint16_t* const* xexact, float (&out)[R][MT], const uint8_t* next) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
   if constexpr (F == WFormat::BF16) {
     accumulate_b<V, WFormat::BF16, R, MT, P>(rowp, 0, w.cols, xfast, acc, next, w.row_bytes);
   } else {
-    for_each_fp8_range<R>(w, rows, xfast != nullptr, [&](bool exact, I64 k0, I64 k1) {
+    for_each_fp8_range<R>(w, rows, xfast != nullptr, [&](bool exact, I64 k0, I64 k1) HM_TILE_LAMBDA {
       if (exact) accumulate_b<V, WFormat::FP8, R, MT, P>(rowp, k0, k1, xexact, acc, next, w.row_bytes);
       else accumulate_b<V, kFp8Normal, R, MT, P>(rowp, k0, k1, xfast, acc, next, w.row_bytes);
     });
@@ -78,7 +110,7 @@ inline void bf16_dot_tile(const Matrix& w, const uint8_t* const* rowp, const I64
 
 // fn(TokenTile<n>{}, m) for n = the first of MT, MT - 1, ..., 1 that equals `tokens`.
 template <int MT, class Fn>
-inline void token_tile_of(I64 tokens, I64 m, Fn& fn) {
+HM_TILE_INLINE void token_tile_of(I64 tokens, I64 m, Fn& fn) {
   if constexpr (MT == 1) {
     fn(TokenTile<1>{}, m);
   } else {
@@ -89,7 +121,7 @@ inline void token_tile_of(I64 tokens, I64 m, Fn& fn) {
 
 // Token tiles of up to MaxMT tokens over M tokens (each decoded weight vector serves a whole tile).
 template <int MaxMT, class Fn>
-inline void for_each_token_tile_upto(I64 M, Fn&& fn) {
+HM_TILE_INLINE void for_each_token_tile_upto(I64 M, Fn&& fn) {
   for (I64 m = 0; m < M; m += MaxMT) token_tile_of<MaxMT>(imin(MaxMT, M - m), m, fn);
 }
 
@@ -110,9 +142,9 @@ void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activatio
     bool fast = true, exact_ready = false;
     if constexpr (F == WFormat::FP8) {
       srow = static_cast<const float*>(w.scales) + (s0 / w.block_rows) * w.scale_stride;
-      fast = scale_activations(w, srow, x, kFp8NormalUnscale, buf, ld, fast_rows);
+      fast = scale_activations_bf16<V>(w, srow, x, kFp8NormalUnscale, buf, ld, fast_rows);
     } else {
-      scale_activations(w, srow, x, 1.0f, buf, ld, fast_rows);
+      scale_activations_bf16<V>(w, srow, x, 1.0f, buf, ld, fast_rows);
     }
     for (I64 r = s0; r < s1; r += R) {
       const uint8_t* rowp[R];
@@ -124,11 +156,11 @@ void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activatio
         if constexpr (F == WFormat::FP8) flags |= w.row_flags[rows[i]];
       }
       if (F == WFormat::FP8 && (!fast || (flags & kRowHasSubnormal)) && !exact_ready) {
-        scale_activations(w, srow, x, kFp8ExactUnscale, buf + M * ld, ld, exact_rows);
+        scale_activations_bf16<V>(w, srow, x, kFp8ExactUnscale, buf + M * ld, ld, exact_rows);
         exact_ready = true;
       }
       const uint8_t* next = next_tile_rows(w, r, r1, R, K * B);
-      for_each_token_tile_upto<V::kBf16Tokens>(M, [&](auto tile, I64 m) {
+      for_each_token_tile_upto<V::kBf16Tokens>(M, [&](auto tile, I64 m) HM_TILE_LAMBDA {
         constexpr int MT = decltype(tile)::kTokens;
         float o[R][MT];
         bf16_dot_tile<V, F, R, MT, P>(w, rowp, rows, fast ? fast_rows + m : nullptr, exact_rows + m, o,

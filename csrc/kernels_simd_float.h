@@ -15,7 +15,7 @@ namespace {
 // (hardware prefetchers restart at every row and page). Small tiles (R * MT <= 4) keep a second set of
 // accumulators so that 2 * R * MT FMA chains are in flight.
 template <class V, WFormat F, int R, int MT, NextRows P>
-inline void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* const* xr,
+HM_TILE_INLINE void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* const* xr,
                        typename V::F (&acc)[R][MT], const uint8_t* next, I64 stride) {
   constexpr int W = V::W;
   constexpr I64 B = bytes_per_weight<F>();
@@ -30,9 +30,9 @@ inline void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* 
       for (int j = 0; j < MT; ++j) acc2[i][j] = V::zero();
     for (; k + 2 * W <= k1; k += 2 * W) {
       if (next) prefetch_next<P, R, 2 * W * B>(next, stride, k * B);
-      for (int i = 0; i < R; ++i) {
+      HM_UNROLL for (int i = 0; i < R; ++i) {
         const typename V::F w0 = decode<V, F>(row[i] + k * B), w1 = decode<V, F>(row[i] + (k + W) * B);
-        for (int j = 0; j < MT; ++j) {
+        HM_UNROLL for (int j = 0; j < MT; ++j) {
           acc[i][j] = V::fma(w0, V::load(xs[j] + k), acc[i][j]);
           acc2[i][j] = V::fma(w1, V::load(xs[j] + k + W), acc2[i][j]);
         }
@@ -43,24 +43,23 @@ inline void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* 
   }
   for (; k + W <= k1; k += W) {
     if (next) prefetch_next<P, R, W * B>(next, stride, k * B);
-    for (int i = 0; i < R; ++i) {
+    HM_UNROLL for (int i = 0; i < R; ++i) {
       const typename V::F w = decode<V, F>(row[i] + k * B);
-      for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xs[j] + k), acc[i][j]);
+      HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xs[j] + k), acc[i][j]);
     }
   }
-  if (k < k1) {
-    alignas(64) uint8_t tail[W * B];
-    for (int i = 0; i < R; ++i) {
-      std::memset(tail, 0, sizeof(tail));
-      std::memcpy(tail, row[i] + k * B, static_cast<size_t>((k1 - k) * B));
-      const typename V::F w = decode<V, F>(tail);
-      for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xs[j] + k), acc[i][j]);
+  if (k < k1) {  // the rows' tails copied first: acc is indexed by constants only (it stays in registers)
+    alignas(64) uint8_t tail[R][W * B] = {};
+    for (int i = 0; i < R; ++i) std::memcpy(tail[i], row[i] + k * B, static_cast<size_t>((k1 - k) * B));
+    HM_UNROLL for (int i = 0; i < R; ++i) {
+      const typename V::F w = decode<V, F>(tail[i]);
+      HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xs[j] + k), acc[i][j]);
     }
   }
 }
 
 template <class V, int R, int MT>
-inline void zero_and_finish(typename V::F (&acc)[R][MT], float (*out)[MT], bool finish) {
+HM_TILE_INLINE void zero_and_finish(typename V::F (&acc)[R][MT], float (*out)[MT], bool finish) {
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < MT; ++j) {
       if (finish) out[i][j] = V::hsum(acc[i][j]);
@@ -70,7 +69,7 @@ inline void zero_and_finish(typename V::F (&acc)[R][MT], float (*out)[MT], bool 
 
 // out[i][j] = sum over k in [0, n) of W[row i][k] * x[token j][k].
 template <class V, WFormat F, int R, int MT, NextRows P>
-inline void fp_tile(const uint8_t* const* rowp, I64 n, const float* const* xr, float (&out)[R][MT],
+HM_TILE_INLINE void fp_tile(const uint8_t* const* rowp, I64 n, const float* const* xr, float (&out)[R][MT],
                     const uint8_t* next) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
@@ -82,7 +81,7 @@ inline void fp_tile(const uint8_t* const* rowp, I64 n, const float* const* xr, f
 // the tile with a subnormal code, once for whole rows (exact = false); otherwise per column block, exact where
 // a row of the tile has a subnormal code in the block, and everywhere when !fast.
 template <int R, class Fn>
-inline void for_each_fp8_range(const Matrix& w, const I64* rows, bool fast, Fn&& fn) {
+HM_TILE_INLINE void for_each_fp8_range(const Matrix& w, const I64* rows, bool fast, Fn&& fn) {
   uint8_t flags = 0;
   for (int i = 0; i < R; ++i) flags |= w.row_flags[rows[i]];
   if (fast && !(flags & kRowHasSubnormal)) return fn(false, I64{0}, w.cols);
@@ -97,11 +96,11 @@ inline void for_each_fp8_range(const Matrix& w, const I64* rows, bool fast, Fn&&
 // for it, or the exact decode against x scaled for that (both give products * 2^-16; x_fast == nullptr: exact
 // everywhere).
 template <class V, int R, int MT, NextRows P>
-inline void fp8_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows, const float* const* xfast,
+HM_TILE_INLINE void fp8_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows, const float* const* xfast,
                      const float* const* xexact, float (&out)[R][MT], const uint8_t* next) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
-  for_each_fp8_range<R>(w, rows, xfast != nullptr, [&](bool exact, I64 k0, I64 k1) {
+  for_each_fp8_range<R>(w, rows, xfast != nullptr, [&](bool exact, I64 k0, I64 k1) HM_TILE_LAMBDA {
     if (exact) accumulate<V, WFormat::FP8, R, MT, P>(rowp, k0, k1, xexact, acc, next, w.row_bytes);
     else accumulate<V, kFp8Normal, R, MT, P>(rowp, k0, k1, xfast, acc, next, w.row_bytes);
   });
@@ -110,7 +109,7 @@ inline void fp8_tile(const Matrix& w, const uint8_t* const* rowp, const I64* row
 
 // y[(m + j) * ldy + row0 + i] (+)= out[i][j] * scale for the tile's valid rows (first: =).
 template <int R, int MT>
-inline void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_rows, bool first, const float (&out)[R][MT],
+HM_TILE_INLINE void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_rows, bool first, const float (&out)[R][MT],
                        float scale = 1.0f) {
   for (int i = 0; i < R && i < valid_rows; ++i)
     for (int j = 0; j < MT; ++j) {
@@ -127,7 +126,7 @@ struct TokenTile {
   static constexpr int kTokens = MT;
 };
 template <class Fn>
-inline void for_each_token_tile(I64 M, Fn&& fn) {
+HM_TILE_INLINE void for_each_token_tile(I64 M, Fn&& fn) {
   for (I64 m = 0; m < M;) {
     const I64 left = M - m;
     if (left == 4 || left == 2) fn(TokenTile<2>{}, m), m += 2;
@@ -139,9 +138,9 @@ inline void for_each_token_tile(I64 M, Fn&& fn) {
 // All token tiles of one 4-row tile over whole rows: y rows [row0, row0 + valid) = W4 . x[m].
 // next: the following tile's rows, prefetched while the first token tile reads this one (may be nullptr).
 template <class V, WFormat F, NextRows P>
-inline void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const float* const* xrows, I64 M, float* y,
+HM_TILE_INLINE void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const float* const* xrows, I64 M, float* y,
                                 I64 ldy, I64 row0, I64 valid, const uint8_t* next) {
-  for_each_token_tile(M, [&](auto tile, I64 m) {
+  for_each_token_tile(M, [&](auto tile, I64 m) HM_TILE_LAMBDA {
     constexpr int MT = decltype(tile)::kTokens;
     float o[4][MT];
     fp_tile<V, F, 4, MT, P>(rowp, n, xrows + m, o, m == 0 ? next : nullptr);
@@ -151,10 +150,10 @@ inline void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const float* 
 
 // All token tiles of one 4-row fp8 tile (see fp8_tile); rows[i] are the tile's row indices.
 template <class V, NextRows P>
-inline void fp8_row_tile_all_tokens(const Matrix& w, const uint8_t* const* rowp, const I64* rows,
+HM_TILE_INLINE void fp8_row_tile_all_tokens(const Matrix& w, const uint8_t* const* rowp, const I64* rows,
                                     const float* const* xfast, const float* const* xexact, I64 M, float* y, I64 ldy,
                                     I64 row0, I64 valid, const uint8_t* next) {
-  for_each_token_tile(M, [&](auto tile, I64 m) {
+  for_each_token_tile(M, [&](auto tile, I64 m) HM_TILE_LAMBDA {
     constexpr int MT = decltype(tile)::kTokens;
     float o[4][MT];
     fp8_tile<V, 4, MT, P>(w, rowp, rows, xfast ? xfast + m : nullptr, xexact + m, o,

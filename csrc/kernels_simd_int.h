@@ -25,7 +25,7 @@ inline __m256 load_scales8(const uint16_t* p) {
 // acc (+)= the dot products of int4 codes u (0..15) and int8 activations s within one group: int16 pair sums
 // (acc16, widened once per group) where the ISA has them, else int32 (acci).
 template <class V>
-inline void add_u4(__m256i& acc16, __m256i& acci, __m256i u, __m256i s) {
+HM_TILE_INLINE void add_u4(__m256i& acc16, __m256i& acci, __m256i u, __m256i s) {
   if constexpr (V::kPairSums16) acc16 = V::pairs_u4(acc16, u, s);
   else acci = V::dot_u4(acci, u, s);
 }
@@ -36,7 +36,7 @@ inline void add_u4(__m256i& acc16, __m256i& acci, __m256i u, __m256i s) {
 // sum(q)). next (may be nullptr): the start of the R rows that follow, prefetched at the rate these are read, as
 // one linear stream into L1 or L2 (P; see NextRows).
 template <class V, WFormat F, ScaleType ST, int kChunks, int R, int MT, NextRows P>
-inline void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 g0, I64 g1,
+HM_TILE_INLINE void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 g0, I64 g1,
                      const int8_t* const* xq, const float* const* xs, const float* const* xsum,
                      float (&out)[R][MT], const uint8_t* next) {
   constexpr I64 kChunkBytes = F == WFormat::INT4 ? 16 : 32;  // bytes of one row's 32 elements
@@ -186,7 +186,7 @@ inline __m256 oct_weight_scales(const uint16_t* p) {
 // The dot products of one pair of groups (lo / hi: the row's unpacked 32 bytes; xlo / xhi: the token's 64
 // activations in the same order): int16 pair sums, or int32 with VNNI.
 template <class V>
-inline __m256i pair_dot(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi) {
+HM_TILE_INLINE __m256i pair_dot(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi) {
   __m256i acc16 = _mm256_setzero_si256(), acci = _mm256_setzero_si256();
   add_u4<V>(acc16, acci, lo, xlo);
   add_u4<V>(acc16, acci, hi, xhi);
@@ -194,14 +194,14 @@ inline __m256i pair_dot(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi) {
 }
 
 template <class V>
-inline __m256i fold_pairs(__m256i a, __m256i b) {
+HM_TILE_INLINE __m256i fold_pairs(__m256i a, __m256i b) {
   return V::kPairSums16 ? _mm256_hadd_epi16(a, b) : _mm256_hadd_epi32(a, b);
 }
 
 // acc[i][j] += one oct of R rows (128 bytes at wrow[i], eight scales at srow[i]) times MT tokens (256 int8
 // activations at xq[j], their oct table at t[j]).
 template <class V, ScaleType ST, int R, int MT>
-inline void int4_oct_step(const uint8_t* const* wrow, const uint16_t* const* srow, const int8_t* const* xq,
+HM_TILE_INLINE void int4_oct_step(const uint8_t* const* wrow, const uint16_t* const* srow, const int8_t* const* xq,
                           const float* const* t, __m256 (&acc)[R][MT]) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m256i half[2][R][MT];  // the folded sums of pairs 0-1 and 2-3
@@ -242,7 +242,7 @@ inline void int4_oct_step(const uint8_t* const* wrow, const uint16_t* const* sro
 // out[i][j] = the R rows' dot products with MT tokens over octs [o0, o1) (`groups` in the whole row: a last
 // partial oct goes through zero-padded copies). tables: oct_tables of the MT tokens.
 template <class V, ScaleType ST, int R, int MT, NextRows P>
-inline void int4_oct_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 o0, I64 o1, I64 groups,
+HM_TILE_INLINE void int4_oct_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 o0, I64 o1, I64 groups,
                           const int8_t* const* xq, const float* const* tables, float (&out)[R][MT],
                           const uint8_t* next) {
   __m256 acc[R][MT];

@@ -96,6 +96,7 @@ struct Avx2 {
 struct Avx2Bf16Emulated : Avx2 {
   static constexpr bool kBf16Dot = true;
   static constexpr int kBf16Tokens = 3;  // tokens per register tile (4 x 3 accumulators, as Avx2)
+  static constexpr bool kNativeBf16Round = false;  // activations rounded to bf16 by the portable loop
   using B = __m256i;
 
   static B load_b(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }

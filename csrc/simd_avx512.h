@@ -95,6 +95,24 @@ struct Avx512Bf16 : Avx512 {
   static F dot_b(F acc, B a, B b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
   }
+  // dst[k] = bf16(src[k] * s) for k < n, rounded to nearest even by vcvtne2ps2bf16 (which, like vdpbf16ps,
+  // takes float32 denormals as zero); true when an output is infinite. 32 lanes a step, the tail masked.
+  static constexpr bool kNativeBf16Round = true;
+  static bool scale_to_bf16(const float* src, float s, uint16_t* dst, int64_t n) {
+    const __m512 sv = _mm512_set1_ps(s);
+    const __m512i magnitude = _mm512_set1_epi16(0x7FFF), inf = _mm512_set1_epi16(0x7F80);
+    __mmask32 infinite = 0;
+    for (int64_t k = 0; k < n; k += 32) {
+      const int64_t left = n - k;
+      const __mmask32 m = left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+      const __m512 lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>(m), src + k);
+      const __m512 hi = _mm512_maskz_loadu_ps(static_cast<__mmask16>(m >> 16), src + k + 16);
+      const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, sv), _mm512_mul_ps(lo, sv));
+      _mm512_mask_storeu_epi16(dst + k, m, b);
+      infinite |= _mm512_mask_cmpeq_epi16_mask(m, _mm512_and_si512(b, magnitude), inf);
+    }
+    return infinite != 0;
+  }
 };
 #endif
 

@@ -117,9 +117,10 @@ def test_fp8_blocks_with_and_without_subnormals(each_isa, path):
         _check(matmul(m, x, path), x, w64, bf16=_bf16(m, path, tokens, "fp8", q, s, (32, 128)))
     big_scales = torch.full_like(s, 100.0)
     big = kernel_matrix("fp8", q, big_scales, block=(32, 128))
-    x = torch.randn(2, cols, generator=gen) * 1e6  # |x * scale| > 2^24: x * scale * 2^104 overflows
-    _check(matmul(big, x, path), x, reference.dequantize("fp8", q, big_scales, block=(32, 128)),
-           bf16=_bf16(big, path, 2, "fp8", q, big_scales, (32, 128)))
+    for tokens in (2, 4):  # the float32 and (where the ISA has them) the bf16 dot-product tiles
+        x = torch.randn(tokens, cols, generator=gen) * 1e6  # |x * scale| > 2^24: x * scale * 2^104 overflows
+        _check(matmul(big, x, path), x, reference.dequantize("fp8", q, big_scales, block=(32, 128)),
+               bf16=_bf16(big, path, tokens, "fp8", q, big_scales, (32, 128)))
 
 
 @pytest.mark.parametrize("fmt,cols", [("f32", 1600), ("bf16", 3100), ("f16", 3100), ("fp8", 6150), ("bf16", 1700),
