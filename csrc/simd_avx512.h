@@ -102,9 +102,15 @@ struct Avx512Bf16 : Avx512 {
     const __m512 sv = _mm512_set1_ps(s);
     const __m512i magnitude = _mm512_set1_epi16(0x7FFF), inf = _mm512_set1_epi16(0x7F80);
     __mmask32 infinite = 0;
-    for (int64_t k = 0; k < n; k += 32) {
-      const int64_t left = n - k;
-      const __mmask32 m = left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+      const __m512 lo = _mm512_loadu_ps(src + k), hi = _mm512_loadu_ps(src + k + 16);
+      const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, sv), _mm512_mul_ps(lo, sv));
+      _mm512_storeu_si512(dst + k, b);
+      infinite |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(b, magnitude), inf);
+    }
+    if (k < n) {
+      const __mmask32 m = (__mmask32{1} << (n - k)) - 1;
       const __m512 lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>(m), src + k);
       const __m512 hi = _mm512_maskz_loadu_ps(static_cast<__mmask16>(m >> 16), src + k + 16);
       const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, sv), _mm512_mul_ps(lo, sv));
