@@ -119,10 +119,17 @@ HM_TILE_INLINE void token_tile_of(I64 tokens, I64 m, Fn& fn) {
   }
 }
 
-// Token tiles of up to MaxMT tokens over M tokens (each decoded weight vector serves a whole tile).
+// As few token tiles of up to MaxMT tokens as cover M tokens, of balanced sizes (8 = 4 + 4, 13 = 5 + 4 + 4; each
+// decoded weight vector serves a whole tile). Against MaxMT-token tiles and a remainder (6 + 2, 6 + 6 + 1),
+// one thread, 7-16 tokens: 1.00-1.10x (measured 0.88-0.96x before the tile helpers were forced inline).
 template <int MaxMT, class Fn>
 HM_TILE_INLINE void for_each_token_tile_upto(I64 M, Fn&& fn) {
-  for (I64 m = 0; m < M; m += MaxMT) token_tile_of<MaxMT>(imin(MaxMT, M - m), m, fn);
+  const I64 tiles = (M + MaxMT - 1) / MaxMT;
+  for (I64 t = 0, m = 0; t < tiles; ++t) {
+    const I64 n = (M - m + tiles - t - 1) / (tiles - t);  // the tokens left, shared by the tiles left
+    token_tile_of<MaxMT>(n, m, fn);
+    m += n;
+  }
 }
 
 // The GEMV path with bf16 dot products: whole rows, tiles of 4 rows x up to V::kBf16Tokens tokens, each

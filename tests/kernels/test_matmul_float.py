@@ -16,7 +16,8 @@ from kernel_testing import random_fp8, random_int, seed
 SHAPES = [(1, 1), (5, 7), (37, 100), (64, 256), (131, 300)]  # (N rows, K cols)
 # GEMV token tiles of 3, 2 and 1 (3+2, 3+3, 3+2+2); GEMM token blocks of 3 vectors (24 AVX2, 48 AVX-512): 1-3
 # vectors, then more blocks; 70: more than the float GEMV path takes (63), so a forced "gemv" runs the GEMM
-# (the bf16 dot-product GEMV takes 1-6 token tiles on AVX-512: 6+1, 6+6+5, ...)
+# (the bf16 dot-product GEMV takes as few balanced tiles of up to 6 tokens (AVX-512) or 3 (AVX2) as cover them:
+# 4+3, 5+4, 6+6+5, ...; 3+2, 3+2+2, ...)
 TOKENS = [1, 2, 3, 5, 6, 7, 9, 17, 24, 40, 57, 70]
 MAX_GEMV_TOKENS = 63
 
