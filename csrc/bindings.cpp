@@ -412,6 +412,10 @@ NB_MODULE(_native, mod) {
   mod.def("isa_bf16_dot", [](const std::string& name) { return kernels_for(name)->bf16_dot; }, "name"_a,
           "Whether ISA `name` rounds the activations of bf16 and fp8 matmuls to bf16 (bf16 dot products); "
           "ValueError if it cannot run here");
+  mod.def("bf16_dot_min_tokens", [] {
+    return std::vector<std::pair<std::string, int64_t>>{{"fp8", bf16_dot_min_tokens(WFormat::FP8)},
+                                                        {"bf16", bf16_dot_min_tokens(WFormat::BF16)}};
+  }, "Tokens per expert from which a bf16 dot-product ISA takes its bf16 dot products, per weight format.");
   mod.def("set_isa", [](const std::string& name) {
     global_executor().drain();
     set_active_isa(name);

@@ -81,10 +81,12 @@ constexpr int64_t kMaxGemvTokens = kGemmMinTokensFloat - 1;  // the most tokens 
 
 // With bf16 dot products (KernelTable::bf16_dot) bf16 and fp8 weights stay on the GEMV path up to
 // kMaxGemvTokens, the bf16 dot-product tiles' range (kernels_simd_bf16.h), from bf16_dot_min_tokens tokens per
-// expert; fewer take the float32 GEMV. Measured on Zen 4 (benchmarks/bf16_dot.py, one DeepSeek-V3 gate matrix
-// from memory, both threads, bf16 dot / float32): fp8 0.91-1.0x at 1-2 tokens, 1.17x at 3, 1.5x at 4-16; bf16
-// 1.0x at 1-2, 0.78-0.97x at 3, 1.17x at 4, 1.55x at 16.
-constexpr int64_t kBf16DotMinTokensFp8 = 3;
+// expert; fewer take the float32 GEMV. Measured on Zen 4 (benchmarks/bf16_dot.py, one DeepSeek-V3 gate matrix,
+// bf16 dot / float32, 1 and 2 threads, rows in cache and from memory), once the tiles' accumulators stayed in
+// registers (session 14): fp8 1.09-1.43x at 2 tokens, 1.15-1.42x at 3, 1.34-2.06x at 4, but at 1 token 0.94x
+// with both threads from memory (1.23-1.32x otherwise); bf16 0.92-1.23x at 1, 1.01-1.17x at 2, 0.98-1.08x at 3,
+// 1.15-1.31x at 4. (Session 13, before: fp8 0.91-1.0x at 1-2 tokens, 1.17x at 3.)
+constexpr int64_t kBf16DotMinTokensFp8 = 2;
 constexpr int64_t kBf16DotMinTokensBf16 = 4;
 
 static inline int64_t bf16_dot_min_tokens(WFormat f) {

@@ -69,3 +69,18 @@ def test_use_isa_restores_the_previous_one():
     with isa.use_isa("scalar"):
         assert isa.active_isa() == "scalar"
     assert isa.active_isa() == before
+
+
+def test_info_prints_the_bf16_dot_product_thresholds():
+    """`hybridmoe info` states, for each bf16 dot-product ISA that runs here, from how many tokens per expert it
+    takes its bf16 dot products (the kernels' own thresholds, not a copy)."""
+    min_tokens = isa.bf16_dot_min_tokens()
+    assert set(min_tokens) == {"fp8", "bf16"} and all(n >= 1 for n in min_tokens.values())
+    result = subprocess.run([sys.executable, "-m", "hybridmoe.cli", "info"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    dot_isas = [name for name in isa.available_isas() if isa.bf16_dot(name)]
+    lines = [line for line in result.stdout.splitlines() if "bf16 dot products" in line]
+    assert len(lines) == len(dot_isas)
+    for line in lines:
+        assert f"from {min_tokens['bf16']}/{min_tokens['fp8']} tokens per expert" in line

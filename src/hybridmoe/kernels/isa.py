@@ -3,7 +3,7 @@
 The best ISA the CPU and the build support runs (avx512bf16 on AMD CPUs > avx512 > avx2 > scalar);
 HYBRIDMOE_ISA=scalar|avx2|avx2bf16|avx512|avx512bf16 forces one (an unusable value raises ValueError naming the
 missing CPU features). avx512bf16 runs bf16 and fp8 weights on the GEMV path with bf16 dot products
-(activations rounded to bf16) from Matrix.bf16_dot_min_tokens tokens per expert (3 fp8, 4 bf16), and as avx512
+(activations rounded to bf16) from Matrix.bf16_dot_min_tokens tokens per expert (2 fp8, 4 bf16), and as avx512
 otherwise; avx2bf16 emulates it on AVX2 to test it anywhere and is never chosen by itself. avx512bf16 is chosen
 on AMD CPUs only: on Zen 4 it ran the MoE 1.1-1.8x as fast as avx512 where it multiplies in bf16, on a Xeon
 (Emerald Rapids) 0.82-1.10x (docs/kernels.md).
@@ -43,6 +43,12 @@ def bf16_dot(name: str | None = None) -> bool:
     """Whether ISA `name` (default: the active one) rounds the activations of bf16 and fp8 weight matmuls to
     bf16 and multiplies them with bf16 dot products; ValueError if it cannot run here."""
     return _native.isa_bf16_dot(name or active_isa())
+
+
+def bf16_dot_min_tokens() -> dict[str, int]:
+    """Per weight format ("fp8", "bf16"): the tokens per expert from which a bf16 dot-product ISA multiplies with
+    bf16 dot products (fewer take its base ISA's float32 GEMV)."""
+    return dict(_native.bf16_dot_min_tokens())
 
 
 def active_isa() -> str:
