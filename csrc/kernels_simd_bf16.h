@@ -55,7 +55,8 @@ inline bool scale_activations_bf16(const Matrix& w, const float* srow, const Act
       const float* src = x_row(x, m);
       bool infinite = false;
       for (I64 kb = 0; kb < K; kb += bc)
-        infinite |= V::scale_to_bf16(src + kb, (srow ? srow[kb / bc] : 1.0f) * unscale, out + kb, imin(K, kb + bc) - kb);
+        infinite |= V::scale_to_bf16(src + kb, (srow ? srow[kb / bc] : 1.0f) * unscale, out + kb,
+                                     imin(K, kb + bc) - kb);
       std::memset(out + K, 0, static_cast<size_t>(ld - K) * sizeof(uint16_t));
       rows[m] = out;
       if (infinite && bf16_row_overflows(src, K, bc, srow, unscale)) fits = false;
@@ -68,7 +69,7 @@ inline bool scale_activations_bf16(const Matrix& w, const float* srow, const Act
 // reads its weights through a zero-padded copy. next, P: as in accumulate (kernels_simd_float.h).
 template <class V, WFormat F, int R, int MT, NextRows P>
 HM_TILE_INLINE void accumulate_b(const uint8_t* const* rowp, I64 k0, I64 k1, const uint16_t* const* xr,
-                         typename V::F (&acc)[R][MT], const uint8_t* next, I64 stride) {
+                                 typename V::F (&acc)[R][MT], const uint8_t* next, I64 stride) {
   constexpr int L = 2 * V::W;
   constexpr I64 B = bytes_per_weight<F>();
   I64 k = k0;
@@ -93,8 +94,9 @@ HM_TILE_INLINE void accumulate_b(const uint8_t* const* rowp, I64 k0, I64 k1, con
 // fp8: per column range (for_each_fp8_range), the bit-placement decode against xfast or the exact decode against
 // xexact (both products * 2^-16); xfast == nullptr: exact everywhere.
 template <class V, WFormat F, int R, int MT, NextRows P>
-HM_TILE_INLINE void bf16_dot_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows, const uint16_t* const* xfast,
-                          const uint16_t* const* xexact, float (&out)[R][MT], const uint8_t* next) {
+HM_TILE_INLINE void bf16_dot_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows,
+                                  const uint16_t* const* xfast, const uint16_t* const* xexact, float (&out)[R][MT],
+                                  const uint8_t* next) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
   if constexpr (F == WFormat::BF16) {

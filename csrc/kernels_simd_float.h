@@ -16,7 +16,7 @@ namespace {
 // accumulators so that 2 * R * MT FMA chains are in flight.
 template <class V, WFormat F, int R, int MT, NextRows P>
 HM_TILE_INLINE void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* const* xr,
-                       typename V::F (&acc)[R][MT], const uint8_t* next, I64 stride) {
+                               typename V::F (&acc)[R][MT], const uint8_t* next, I64 stride) {
   constexpr int W = V::W;
   constexpr I64 B = bytes_per_weight<F>();
   const uint8_t* row[R];
@@ -60,8 +60,8 @@ HM_TILE_INLINE void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const
 
 template <class V, int R, int MT>
 HM_TILE_INLINE void zero_and_finish(typename V::F (&acc)[R][MT], float (*out)[MT], bool finish) {
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < MT; ++j) {
+  HM_UNROLL for (int i = 0; i < R; ++i)
+    HM_UNROLL for (int j = 0; j < MT; ++j) {
       if (finish) out[i][j] = V::hsum(acc[i][j]);
       else acc[i][j] = V::zero();
     }
@@ -70,7 +70,7 @@ HM_TILE_INLINE void zero_and_finish(typename V::F (&acc)[R][MT], float (*out)[MT
 // out[i][j] = sum over k in [0, n) of W[row i][k] * x[token j][k].
 template <class V, WFormat F, int R, int MT, NextRows P>
 HM_TILE_INLINE void fp_tile(const uint8_t* const* rowp, I64 n, const float* const* xr, float (&out)[R][MT],
-                    const uint8_t* next) {
+                            const uint8_t* next) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
   accumulate<V, F, R, MT, P>(rowp, 0, n, xr, acc, next, n * bytes_per_weight<F>());
@@ -97,7 +97,7 @@ HM_TILE_INLINE void for_each_fp8_range(const Matrix& w, const I64* rows, bool fa
 // everywhere).
 template <class V, int R, int MT, NextRows P>
 HM_TILE_INLINE void fp8_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows, const float* const* xfast,
-                     const float* const* xexact, float (&out)[R][MT], const uint8_t* next) {
+                             const float* const* xexact, float (&out)[R][MT], const uint8_t* next) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
   for_each_fp8_range<R>(w, rows, xfast != nullptr, [&](bool exact, I64 k0, I64 k1) HM_TILE_LAMBDA {
@@ -109,8 +109,8 @@ HM_TILE_INLINE void fp8_tile(const Matrix& w, const uint8_t* const* rowp, const 
 
 // y[(m + j) * ldy + row0 + i] (+)= out[i][j] * scale for the tile's valid rows (first: =).
 template <int R, int MT>
-HM_TILE_INLINE void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_rows, bool first, const float (&out)[R][MT],
-                       float scale = 1.0f) {
+HM_TILE_INLINE void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_rows, bool first,
+                               const float (&out)[R][MT], float scale = 1.0f) {
   for (int i = 0; i < R && i < valid_rows; ++i)
     for (int j = 0; j < MT; ++j) {
       float& dst = y[(m + j) * ldy + row0 + i];
@@ -139,7 +139,7 @@ HM_TILE_INLINE void for_each_token_tile(I64 M, Fn&& fn) {
 // next: the following tile's rows, prefetched while the first token tile reads this one (may be nullptr).
 template <class V, WFormat F, NextRows P>
 HM_TILE_INLINE void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const float* const* xrows, I64 M, float* y,
-                                I64 ldy, I64 row0, I64 valid, const uint8_t* next) {
+                                        I64 ldy, I64 row0, I64 valid, const uint8_t* next) {
   for_each_token_tile(M, [&](auto tile, I64 m) HM_TILE_LAMBDA {
     constexpr int MT = decltype(tile)::kTokens;
     float o[4][MT];
@@ -151,8 +151,8 @@ HM_TILE_INLINE void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const
 // All token tiles of one 4-row fp8 tile (see fp8_tile); rows[i] are the tile's row indices.
 template <class V, NextRows P>
 HM_TILE_INLINE void fp8_row_tile_all_tokens(const Matrix& w, const uint8_t* const* rowp, const I64* rows,
-                                    const float* const* xfast, const float* const* xexact, I64 M, float* y, I64 ldy,
-                                    I64 row0, I64 valid, const uint8_t* next) {
+                                            const float* const* xfast, const float* const* xexact, I64 M, float* y,
+                                            I64 ldy, I64 row0, I64 valid, const uint8_t* next) {
   for_each_token_tile(M, [&](auto tile, I64 m) HM_TILE_LAMBDA {
     constexpr int MT = decltype(tile)::kTokens;
     float o[4][MT];

@@ -37,8 +37,8 @@ HM_TILE_INLINE void add_u4(__m256i& acc16, __m256i& acci, __m256i u, __m256i s) 
 // one linear stream into L1 or L2 (P; see NextRows).
 template <class V, WFormat F, ScaleType ST, int kChunks, int R, int MT, NextRows P>
 HM_TILE_INLINE void int_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 g0, I64 g1,
-                     const int8_t* const* xq, const float* const* xs, const float* const* xsum,
-                     float (&out)[R][MT], const uint8_t* next) {
+                             const int8_t* const* xq, const float* const* xs, const float* const* xsum,
+                             float (&out)[R][MT], const uint8_t* next) {
   constexpr I64 kChunkBytes = F == WFormat::INT4 ? 16 : 32;  // bytes of one row's 32 elements
   static_assert(P != NextRows::StreamsL2, "int tiles prefetch linearly (their stride argument is 0)");
   constexpr float kOffset = F == WFormat::INT4 ? 8.0f : static_cast<float>(V::kI8Offset);
@@ -202,7 +202,7 @@ HM_TILE_INLINE __m256i fold_pairs(__m256i a, __m256i b) {
 // activations at xq[j], their oct table at t[j]).
 template <class V, ScaleType ST, int R, int MT>
 HM_TILE_INLINE void int4_oct_step(const uint8_t* const* wrow, const uint16_t* const* srow, const int8_t* const* xq,
-                          const float* const* t, __m256 (&acc)[R][MT]) {
+                                  const float* const* t, __m256 (&acc)[R][MT]) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m256i half[2][R][MT];  // the folded sums of pairs 0-1 and 2-3
   for (int q = 0; q < 2; ++q) {
@@ -243,8 +243,8 @@ HM_TILE_INLINE void int4_oct_step(const uint8_t* const* wrow, const uint16_t* co
 // partial oct goes through zero-padded copies). tables: oct_tables of the MT tokens.
 template <class V, ScaleType ST, int R, int MT, NextRows P>
 HM_TILE_INLINE void int4_oct_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 o0, I64 o1, I64 groups,
-                          const int8_t* const* xq, const float* const* tables, float (&out)[R][MT],
-                          const uint8_t* next) {
+                                  const int8_t* const* xq, const float* const* tables, float (&out)[R][MT],
+                                  const uint8_t* next) {
   __m256 acc[R][MT];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = _mm256_setzero_ps();
