@@ -58,13 +58,23 @@ HM_TILE_INLINE void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const
   }
 }
 
+// Zeroes a tile's accumulators, or (finish) writes their horizontal sums to out: four rows at a time where the
+// tile has them (V::hsum4).
 template <class V, int R, int MT>
 HM_TILE_INLINE void zero_and_finish(typename V::F (&acc)[R][MT], float (*out)[MT], bool finish) {
-  HM_UNROLL for (int i = 0; i < R; ++i)
+  if (!finish) {
+    HM_UNROLL for (int i = 0; i < R; ++i)
+      HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = V::zero();
+  } else if constexpr (R == 4) {
     HM_UNROLL for (int j = 0; j < MT; ++j) {
-      if (finish) out[i][j] = V::hsum(acc[i][j]);
-      else acc[i][j] = V::zero();
+      alignas(16) float sums[4];
+      _mm_store_ps(sums, V::hsum4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]));
+      HM_UNROLL for (int i = 0; i < 4; ++i) out[i][j] = sums[i];
     }
+  } else {
+    HM_UNROLL for (int i = 0; i < R; ++i)
+      HM_UNROLL for (int j = 0; j < MT; ++j) out[i][j] = V::hsum(acc[i][j]);
+  }
 }
 
 // out[i][j] = sum over k in [0, n) of W[row i][k] * x[token j][k].

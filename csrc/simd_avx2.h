@@ -27,6 +27,14 @@ struct Avx2 {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  // [hsum(a), hsum(b), hsum(c), hsum(d)]: the four reduced together (11 operations rather than 4 x 6), each
+  // 128-bit lane first summed into [a, b, c, d] by unpacks and shuffles.
+  static __m128 hsum4(F a, F b, F c, F d) {
+    const F ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));  // a02 b02 a13 b13 per lane
+    const F cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+    const F abcd = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+  }
 
   // W weights -> floats.
   static F load_bf16(const uint16_t* p) {
