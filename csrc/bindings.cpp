@@ -175,15 +175,15 @@ MatmulPath parse_path(const std::string& path) {
   fail("path", "must be 'auto', 'gemv' or 'gemm', got '" + path + "'");
 }
 
-// Runs fn on the executor (which owns the pool's thread 0) and waits with the GIL released.
+// Runs fn as the pool's thread 0 and waits, with the GIL released: on this thread when the executor is idle and
+// the pool pins no CPUs (a pinned pool's thread 0 stays the executor's), else on the executor.
+std::string run_blocking(std::function<void()> fn) {
+  nb::gil_scoped_release release;
+  return global_executor().run(std::move(fn), global_pool().cpus().empty());
+}
+
 void run_sync(std::function<void()> fn) {
-  std::shared_ptr<JobState> job;
-  std::string error;
-  {
-    nb::gil_scoped_release release;
-    job = global_executor().submit(std::move(fn));
-    error = job->wait();
-  }
+  const std::string error = run_blocking(std::move(fn));
   if (!error.empty()) throw std::runtime_error(error);
 }
 
@@ -255,8 +255,15 @@ nb::dict topology_dict(const NumaTopology& t) {
   return d;
 }
 
-MoEHandle submit(nb::object self_obj, nb::object hidden_obj, nb::object ids_obj, nb::object weights_obj,
-                 nb::object out_obj, const std::string& path) {
+// One MoE call's inputs, checked, and the arrays that hold their memory.
+struct MoECall {
+  MoEInput in;
+  Array hidden, ids, weights;
+  MutArray out;
+};
+
+MoECall prepare_call(nb::object self_obj, nb::object hidden_obj, nb::object ids_obj, nb::object weights_obj,
+                     nb::object out_obj, const std::string& path) {
   PyMoE& self = nb::cast<PyMoE&>(self_obj);
   const Array hidden = nb::cast<Array>(hidden_obj, false);
   const Array ids = nb::cast<Array>(ids_obj, false);
@@ -291,20 +298,37 @@ MoEHandle submit(nb::object self_obj, nb::object hidden_obj, nb::object ids_obj,
   in.weights = static_cast<const float*>(weights.data());
   in.out = out.data();
   in.path = parse_path(path);
+  return {in, hidden, ids, weights, out};
+}
+
+MoEHandle submit(nb::object self_obj, nb::object hidden_obj, nb::object ids_obj, nb::object weights_obj,
+                 nb::object out_obj, const std::string& path) {
+  MoECall call = prepare_call(self_obj, hidden_obj, ids_obj, weights_obj, out_obj, path);
   const KernelTable* kt = active_kernels();
-  const MoELayer* layer = self.layer.get();
+  const MoELayer* layer = nb::cast<PyMoE&>(self_obj).layer.get();
   MoEHandle handle;
   handle.layer = self_obj;
   handle.out = out_obj;
-  handle.hidden = hidden;
-  handle.ids = ids;
-  handle.weights = weights;
-  handle.out_array = out;
+  handle.hidden = call.hidden;
+  handle.ids = call.ids;
+  handle.weights = call.weights;
+  handle.out_array = call.out;
+  const MoEInput in = call.in;
   {
     nb::gil_scoped_release release;
     handle.job = global_executor().submit([layer, in, kt] { layer->compute(in, *kt, global_pool()); });
   }
   return handle;
+}
+
+// submit + wait in one, run on the calling thread when the executor is idle (see run_blocking).
+void run_moe(nb::object self_obj, nb::object hidden_obj, nb::object ids_obj, nb::object weights_obj,
+             nb::object out_obj, const std::string& path) {
+  const MoECall call = prepare_call(self_obj, hidden_obj, ids_obj, weights_obj, out_obj, path);
+  const KernelTable* kt = active_kernels();
+  const MoELayer* layer = nb::cast<PyMoE&>(self_obj).layer.get();
+  const std::string error = run_blocking([&] { layer->compute(call.in, *kt, global_pool()); });
+  if (!error.empty()) throw std::runtime_error("expert kernels failed: " + error);
 }
 
 void matmul(const PyMatrix& w, nb::object x_obj, nb::object out_obj, const std::string& path) {
@@ -383,7 +407,11 @@ NB_MODULE(_native, mod) {
                    "Every node computes from its own copy; the tensors the layer was built from are not used")
       .def("submit", [](nb::object self, nb::object hidden, nb::object ids, nb::object weights, nb::object out,
                         const std::string& path) { return submit(self, hidden, ids, weights, out, path); },
-           "hidden"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "path"_a = "auto");
+           "hidden"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "path"_a = "auto")
+      .def("run", [](nb::object self, nb::object hidden, nb::object ids, nb::object weights, nb::object out,
+                     const std::string& path) { run_moe(self, hidden, ids, weights, out, path); },
+           "hidden"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "path"_a = "auto",
+           "submit + wait in one (blocking; on the calling thread when no submitted job is pending).");
 
   mod.def("matmul", &matmul, "w"_a, "x"_a, "out"_a, "path"_a = "auto", "out[M, N] = x[M, K] @ W^T (blocking).");
   mod.def("quantize_rows", [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x, int64_t padded,

@@ -55,6 +55,21 @@ void unpin_current_thread() {
 #endif
 }
 
+// The CPU a pool pinned the calling thread to as its thread 0 (-1: not pinned by a pool).
+thread_local int t_caller_cpu = -1;
+
+// A job's error message ("" on success).
+std::string run_job(const std::function<void()>& job) {
+  try {
+    job();
+  } catch (const std::exception& e) {
+    return e.what()[0] ? e.what() : "unknown error in expert kernels";
+  } catch (...) {
+    return "unknown error in expert kernels";
+  }
+  return "";
+}
+
 }  // namespace
 
 void enable_denormals() {
@@ -164,9 +179,14 @@ void ThreadPool::worker_main(int thread) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stop_) return;
+      // Join the task set only while it is open: thread 0 closes a flat one once every task is taken, so that a
+      // worker slow to wake (an idle vCPU can take 0.1-0.7 ms) does not hold up its return.
+      if (!open_ || generation_.load(std::memory_order_relaxed) != gen) continue;
+      ++joined_;
+      active_.fetch_add(1, std::memory_order_relaxed);
     }
     run_tasks(thread);
-    if (busy_workers_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       std::lock_guard<std::mutex> lock(mu_);
       done_cv_.notify_all();
     }
@@ -211,23 +231,34 @@ void ThreadPool::parallel_for_nodes(const std::vector<int64_t>& tasks_per_node,
 
 // Wakes the workers for the task set stored under mu_, runs tasks as thread 0 and waits for all.
 void ThreadPool::launch_and_join() {
-  if (!caller_pinned_) {  // the caller may still be pinned by a previous pool
-    if (cpus_.empty()) unpin_current_thread();
-    else pin_current_thread(cpus_[0]);
-    caller_pinned_ = true;
+  const int caller_cpu = cpus_.empty() ? -1 : cpus_[0];
+  if (t_caller_cpu != caller_cpu) {  // pin the caller, or unpin one an earlier pool pinned
+    if (caller_cpu < 0) unpin_current_thread();
+    else pin_current_thread(caller_cpu);
+    t_caller_cpu = caller_cpu;
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
     error_ = nullptr;
-    busy_workers_.store(num_threads_ - 1, std::memory_order_relaxed);
+    open_ = true;
+    joined_ = 0;
     generation_.fetch_add(1, std::memory_order_release);
   }
   start_cv_.notify_all();
   run_tasks(0);
-  for (int i = 0; i < kSpinIterations && busy_workers_.load(std::memory_order_acquire) != 0; ++i) cpu_relax();
-  if (busy_workers_.load(std::memory_order_acquire) != 0) {
+  // Flat: every task is taken, so close the set and wait for the workers that joined it only. Nodes: a node's
+  // tasks wait for its own threads, so every worker must join (and finish) first.
+  const int must_join = node_mode_ ? num_threads_ - 1 : 0;
+  if (!node_mode_) {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = false;
+  }
+  auto finished = [&] { return joined_ >= must_join && active_.load(std::memory_order_acquire) == 0; };
+  for (int i = 0; i < kSpinIterations && active_.load(std::memory_order_acquire) != 0; ++i) cpu_relax();
+  {
     std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [&] { return busy_workers_.load(std::memory_order_acquire) == 0; });
+    done_cv_.wait(lock, finished);
+    open_ = false;
   }
   std::exception_ptr error;
   {
@@ -281,6 +312,32 @@ std::shared_ptr<JobState> Executor::submit(std::function<void()> job) {
   return state;
 }
 
+std::string Executor::run(std::function<void()> job, bool here) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!here || running_job_ || !queue_.empty()) {
+      lock.unlock();
+      return submit(std::move(job))->wait();
+    }
+    running_job_ = true;
+  }
+#if defined(__x86_64__) || defined(_M_X64)
+  const unsigned int mxcsr = _mm_getcsr();  // the caller's own setting (torch may flush denormals) comes back
+#endif
+  enable_denormals();
+  std::string error = run_job(job);
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_setcsr(mxcsr);
+#endif
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_job_ = false;
+  }
+  cv_.notify_one();  // a job submitted meanwhile
+  idle_cv_.notify_all();
+  return error;
+}
+
 void Executor::drain() {
   std::unique_lock<std::mutex> lock(mu_);
   idle_cv_.wait(lock, [&] { return queue_.empty() && !running_job_; });
@@ -293,22 +350,14 @@ void Executor::main_loop() {
     std::shared_ptr<JobState> state;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      cv_.wait(lock, [&] { return (stop_ && !running_job_) || (!queue_.empty() && !running_job_); });
       if (queue_.empty()) return;  // stop_ and nothing left
       job = std::move(queue_.front().first);
       state = std::move(queue_.front().second);
       queue_.pop_front();
       running_job_ = true;
     }
-    std::string error;
-    try {
-      job();
-    } catch (const std::exception& e) {
-      error = e.what();
-      if (error.empty()) error = "unknown error in expert kernels";
-    } catch (...) {
-      error = "unknown error in expert kernels";
-    }
+    std::string error = run_job(job);
     job = nullptr;
     state->finish(std::move(error));
     {

@@ -23,7 +23,8 @@ namespace hm {
 class ThreadPool {
  public:
   // `num_threads` compute threads in all: num_threads - 1 workers plus the thread calling parallel_for.
-  // `cpus` (may be empty): pin thread i to cpus[i % cpus.size()]; the caller is pinned on its first call.
+  // `cpus` (may be empty): pin thread i to cpus[i % cpus.size()]; a calling thread is pinned to cpus[0] on its
+  // first call (and one pinned by an earlier pool is unpinned by a pool without cpus).
   // `thread_nodes` (may be empty: all node 0): the NUMA node of each thread; every node needs a thread.
   ThreadPool(int num_threads, std::vector<int> cpus, std::vector<int> thread_nodes = {});
   ~ThreadPool();
@@ -71,9 +72,12 @@ class ThreadPool {
   const std::function<void(int, int64_t, int)>* node_fn_ = nullptr;
   std::unique_ptr<NodeCounter[]> node_counters_;
   bool node_mode_ = false;
-  std::atomic<int> busy_workers_{0};
+  // The current task set: open_ while workers may join it (under mu_), joined_ of them did (under mu_), and
+  // active_ of those are still running tasks.
+  bool open_ = false;
+  int joined_ = 0;
+  std::atomic<int> active_{0};
   std::exception_ptr error_;
-  bool caller_pinned_ = false;
 };
 
 // Completion state of one submitted job.
@@ -97,6 +101,10 @@ class Executor {
   Executor();
   ~Executor();
   std::shared_ptr<JobState> submit(std::function<void()> job);
+  // Runs job and returns its error message ("" on success). When nothing is queued or running and `here` is
+  // true, on the calling thread (a caller that waits anyway is spared the hand-off to the executor thread and
+  // back, two thread wake-ups); otherwise queued behind the others, and waited for.
+  std::string run(std::function<void()> job, bool here);
   void drain();  // returns when every submitted job has finished
 
  private:

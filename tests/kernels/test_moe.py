@@ -84,6 +84,47 @@ def test_queued_submissions_keep_their_temporary_inputs_alive():
     del churn
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_blocking_calls_from_several_threads_beside_submissions(threads):
+    """A blocking call runs on its own thread when no submitted job is pending, else queues behind them; the
+    pool is shared one job at a time either way. Python threads calling at once, with async submissions in
+    flight and more pool threads than cores (so that workers wake late), must all get their own results."""
+    import threading
+
+    gen = torch.Generator().manual_seed(9)
+    kwargs, exact = random_experts("bf16", E, H, I, gen)
+    moe = FusedMoE(**kwargs)
+    batches = [(torch.randn(t, H, generator=gen),) + random_routing(t, K, E, gen) for t in (1, 3, 17, 40)]
+    refs = [reference.moe_reference(*batch, exact) for batch in batches]
+    tolerance = 2e-5 + bf16_activation_tolerance("bf16")
+    errors: list[str] = []
+
+    def caller(offset: int) -> None:
+        for step in range(12):
+            i = (offset + step) % len(batches)
+            if step % 3 == 0:
+                out = moe.wait(moe.submit(*batches[i]))
+            else:
+                out = moe(*batches[i])
+            if _error(out, refs[i]) >= tolerance:
+                errors.append(f"caller {offset}, step {step}, batch {i}")
+
+    default = isa.num_threads()
+    try:
+        isa.configure_threads(threads)
+        pending = [moe.submit(*batch) for batch in batches]  # queued before the callers start
+        callers = [threading.Thread(target=caller, args=(k,)) for k in range(3)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join()
+        for handle, ref in zip(pending, refs):
+            assert _error(moe.wait(handle), ref) < tolerance
+    finally:
+        isa.configure_threads(default)
+    assert not errors, errors
+
+
 def test_fp16_hidden_and_empty_batches():
     gen = torch.Generator().manual_seed(6)
     kwargs, exact = random_experts("f32", E, H, I, gen)

@@ -32,6 +32,10 @@ def _dlpack(t: torch.Tensor):
     return to_dlpack(t)
 
 
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 @dataclass
 class MoEHandle:
     """A submitted computation; pass it to FusedMoE.wait."""
@@ -91,6 +95,14 @@ class FusedMoE:
     def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                path: str = "auto") -> MoEHandle:
         """hidden [T, H] (bf16, fp16 or fp32), topk_ids [T, K] int, topk_weights [T, K] -> handle (at once)."""
+        hidden, ids, weights, out, result_dtype = self._inputs(hidden, topk_ids, topk_weights, path)
+        if hidden.shape[0] == 0:
+            return MoEHandle(None, out, result_dtype)
+        native = self._native.submit(_dlpack(hidden), _dlpack(ids), _dlpack(weights), _dlpack(out), path)
+        return MoEHandle(native, out, result_dtype)
+
+    def _inputs(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, path: str):
+        """The checked inputs as the kernels take them, a fresh output, and the dtype to return."""
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
@@ -107,20 +119,22 @@ class FusedMoE:
         ids = topk_ids.to(torch.int64).contiguous()
         weights = topk_weights.to(torch.float32).contiguous()
         out = torch.empty(hidden.shape, dtype=hidden.dtype)
-        if hidden.shape[0] == 0:
-            return MoEHandle(None, out, result_dtype)
-        native = self._native.submit(_dlpack(hidden), _dlpack(ids), _dlpack(weights), _dlpack(out), path)
-        return MoEHandle(native, out, result_dtype)
+        return hidden, ids, weights, out, result_dtype
 
     def wait(self, handle: MoEHandle) -> torch.Tensor:
         """Block until `handle` is done; returns [T, H] in the submitted hidden's dtype."""
         if handle.native is not None:
             handle.native.wait()
-        return handle.out if handle.out.dtype == handle.result_dtype else handle.out.to(handle.result_dtype)
+        return _as_dtype(handle.out, handle.result_dtype)
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  path: str = "auto") -> torch.Tensor:
-        return self.wait(self.submit(hidden, topk_ids, topk_weights, path))
+        """submit + wait, run on the calling thread when no submitted call is pending (no hand-off to the
+        kernels' executor thread and back)."""
+        hidden, ids, weights, out, result_dtype = self._inputs(hidden, topk_ids, topk_weights, path)
+        if hidden.shape[0]:
+            self._native.run(_dlpack(hidden), _dlpack(ids), _dlpack(weights), _dlpack(out), path)
+        return _as_dtype(out, result_dtype)
 
 
 def matmul(w: _native.Matrix, x: torch.Tensor, path: str = "auto") -> torch.Tensor:
