@@ -229,7 +229,8 @@ void ThreadPool::parallel_for_nodes(const std::vector<int64_t>& tasks_per_node,
   launch_and_join();
 }
 
-// Wakes the workers for the task set stored under mu_, runs tasks as thread 0 and waits for all.
+// Wakes the workers for the task set stored under mu_, runs tasks as thread 0 and waits for the workers that
+// joined the set (every worker, for a node-split set).
 void ThreadPool::launch_and_join() {
   const int caller_cpu = cpus_.empty() ? -1 : cpus_[0];
   if (t_caller_cpu != caller_cpu) {  // pin the caller, or unpin one an earlier pool pinned
