@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One thread's GEMV of the kernel headers at a git ref against the working tree's, compiled side by side into one
+# program that times them alternately on the same matrices (gemv_ab/main.cpp): the host's bandwidth drifts too
+# much between separate runs to see a few percent.
+#
+#   benchmarks/gemv_ab.sh [--base REF] [--isa avx2|avx512|avx512bf16] FORMAT ROWS COLS TOKENS...
+#
+# REF defaults to HEAD; the ISA defaults to the table hybridmoe would choose here (avx512bf16 on AMD CPUs with
+# AVX512-BF16, else avx512 where the CPU has it, else avx2). FORMAT fp8 | bf16 | int4 | int8; COLS a multiple
+# of 128. Example: benchmarks/gemv_ab.sh fp8 2048 7168 1 2 4 8. Needs git and a C++17 compiler ($CXX, g++).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(git -C "$here" rev-parse --show-toplevel)
+base=HEAD
+isa=""
+while [[ $# -gt 0 && $1 == --* ]]; do
+  case $1 in
+    --base) base=$2; shift 2 ;;
+    --isa) isa=$2; shift 2 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+if [[ -z $isa ]]; then
+  flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
+  has() { [[ " $flags " == *" $1 "* ]]; }
+  if has avx512f && has avx512bw && has avx512vl && has avx512dq && has avx512_vnni; then
+    isa=avx512
+    if has avx512_bf16 && grep -q -m1 AuthenticAMD /proc/cpuinfo; then isa=avx512bf16; fi
+  else
+    isa=avx2
+  fi
+fi
+cflags=(-mavx2 -mfma -mf16c)
+case $isa in
+  avx2) vocab=hm::Avx2 ;;
+  avx512) vocab=hm::Avx512; cflags+=(-mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -DHM_AB_AVX512) ;;
+  avx512bf16) vocab=hm::Avx512Bf16
+    cflags+=(-mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16 -DHM_AB_AVX512) ;;
+  *) echo "--isa must be avx2, avx512 or avx512bf16, got $isa" >&2; exit 2 ;;
+esac
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+mkdir "$tmp/base"
+git -C "$repo" archive "$base" csrc | tar -x -C "$tmp/base"
+cxx=${CXX:-g++}
+common=(-O3 -std=c++17 "${cflags[@]}" "-DVOCAB=$vocab")
+"$cxx" "${common[@]}" -I"$tmp/base/csrc" -DSIDE=run_base -c "$here/gemv_ab/side.cpp" -o "$tmp/base.o" &
+"$cxx" "${common[@]}" -I"$repo/csrc" -DSIDE=run_work -c "$here/gemv_ab/side.cpp" -o "$tmp/work.o"
+wait
+"$cxx" -O2 -std=c++17 -mavx2 -I"$repo/csrc" "$here/gemv_ab/main.cpp" "$tmp/base.o" "$tmp/work.o" -o "$tmp/gemv_ab"
+echo "base $(git -C "$repo" rev-parse --short "$base") vs working tree, ISA $isa, one thread"
+"$tmp/gemv_ab" "$@"

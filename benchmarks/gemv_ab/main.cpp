@@ -1,0 +1,171 @@
+// A/B harness for the GEMV kernels on one thread: the kernel headers of a base tree and of the working tree are
+// compiled into one program (side.cpp, twice) and timed alternately on the same matrices, so that the host's
+// drifting bandwidth hits both alike. Run through benchmarks/gemv_ab.sh.
+//
+// usage: gemv_ab FORMAT ROWS COLS TOKENS...   (FORMAT fp8 | bf16 | int4 | int8; COLS a multiple of 128)
+// Prints per token count: GB/s of weights of base and work (median of 7 rounds), work / base, a plain
+// sequential read of the same memory in GB/s, and the largest relative difference between the two outputs.
+// The matrices rotate over ~400 MB (HM_AB_POOL_BYTES overrides), so rows come from memory; fp8 codes are
+// normal (no subnormal, no NaN), block scales 128 x 128; int scales bf16 per group of 128 (int4 and int8).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "hm_types.h"
+
+void run_base(const hm::Matrix&, const hm::Activations&, float*);
+void run_work(const hm::Matrix&, const hm::Activations&, float*);
+
+namespace {
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    std::fprintf(stderr, "usage: %s fp8|bf16|int4|int8 ROWS COLS TOKENS...\n", argv[0]);
+    return 2;
+  }
+  const std::string fmt = argv[1];
+  const long N = std::atol(argv[2]), K = std::atol(argv[3]);
+  const bool is_int = fmt == "int4" || fmt == "int8";
+  if ((fmt != "fp8" && fmt != "bf16" && !is_int) || N < 1 || K < 128 || K % 128) {
+    std::fprintf(stderr, "FORMAT must be fp8, bf16, int4 or int8, ROWS >= 1 and COLS a multiple of 128\n");
+    return 2;
+  }
+  std::vector<long> token_counts;
+  for (int i = 4; i < argc; ++i) token_counts.push_back(std::atol(argv[i]));
+  const long max_tokens = *std::max_element(token_counts.begin(), token_counts.end());
+  if (*std::min_element(token_counts.begin(), token_counts.end()) < 1 || max_tokens > hm::kMaxGemvTokens) {
+    std::fprintf(stderr, "TOKENS must be 1..%ld\n", static_cast<long>(hm::kMaxGemvTokens));
+    return 2;
+  }
+  const char* pool_env = std::getenv("HM_AB_POOL_BYTES");
+  const long pool = pool_env ? std::atol(pool_env) : 400L << 20;
+  const long group = 128, row_bytes = fmt == "bf16" ? 2 * K : fmt == "int4" ? K / 2 : K;
+  const long copies = std::max(2L, pool / (N * row_bytes));
+  std::mt19937 gen(1);
+
+  // weights: `copies` matrices of N x K in the format, sharing one set of scales and (zero) fp8 flags
+  std::vector<float> fp8_scales((N / 128 + 1) * (K / 128), 1e-3f);
+  std::vector<uint16_t> int_scales(N * (K / group));
+  for (auto& s : int_scales) s = static_cast<uint16_t>(0x3C00 + gen() % 256);  // bf16 0.0078-0.0156
+  std::vector<uint8_t> row_flags(N, 0), subnormal_blocks(N * ((K / 128 + 7) / 8), 0);
+  std::vector<hm::Matrix> mats(copies);
+  std::vector<uint8_t*> storage;
+  for (hm::Matrix& w : mats) {
+    uint8_t* d = static_cast<uint8_t*>(std::aligned_alloc(64, (N * row_bytes + 63) / 64 * 64));
+    storage.push_back(d);
+    for (long i = 0; i < N * row_bytes; ++i) {
+      uint8_t b = static_cast<uint8_t>(gen());
+      if (fmt == "fp8") b = static_cast<uint8_t>((gen() & 0x80) | ((1 + b % 14) << 3) | (gen() & 7));  // normal
+      if (fmt == "bf16" && (i & 1)) b = static_cast<uint8_t>(0x3C | (b & 0x80));  // |w| ~ 2^-7..2^-6
+      if (fmt == "int8" && b == 0x80) b = 0x81;  // int8 weights avoid -128
+      d[i] = b;
+    }
+    w.data = d;
+    w.rows = N;
+    w.cols = K;
+    w.padded_cols = K;
+    w.row_bytes = row_bytes;
+    if (fmt == "fp8") {
+      w.fmt = hm::WFormat::FP8;
+      w.scales = fp8_scales.data();
+      w.scale_type = hm::ScaleType::F32;
+      w.scale_stride = K / 128;
+      w.block_rows = w.block_cols = 128;
+      w.row_flags = row_flags.data();
+      w.subnormal_blocks = subnormal_blocks.data();
+      w.subnormal_stride = (K / 128 + 7) / 8;
+    } else if (fmt == "bf16") {
+      w.fmt = hm::WFormat::BF16;
+    } else {
+      w.fmt = fmt == "int8" ? hm::WFormat::INT8 : hm::WFormat::INT4;
+      w.scales = int_scales.data();
+      w.scale_type = hm::ScaleType::BF16;
+      w.scale_stride = K / group;
+      w.group = group;
+    }
+  }
+
+  // activations in [-1, 1], and (int formats) their int8 copy per group of 128 as the MoE driver makes it
+  std::vector<float> x(max_tokens * K), qscale(max_tokens * (K / group)), qsum(max_tokens * (K / group));
+  std::vector<int8_t> q(max_tokens * K);
+  for (float& v : x) v = static_cast<float>(static_cast<int>(gen() % 2001) - 1000) * 1e-3f;
+  for (long m = 0; m < max_tokens; ++m)
+    for (long g = 0; g < K / group; ++g) {
+      const float* xs = x.data() + m * K + g * group;
+      float amax = 0.0f;
+      for (long e = 0; e < group; ++e) amax = std::max(amax, std::fabs(xs[e]));
+      const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+      int sum = 0;
+      for (long e = 0; e < group; ++e) {
+        const int v = static_cast<int>(std::nearbyint(xs[e] / s));
+        q[m * K + g * group + e] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      qscale[m * (K / group) + g] = s;
+      qsum[m * (K / group) + g] = s * static_cast<float>(sum);
+    }
+
+  std::printf("%-5s %6s %6s %6s %12s %12s %7s %12s %10s\n", "fmt", "rows", "cols", "tokens", "base GB/s",
+              "work GB/s", "work/b", "read GB/s", "max diff");
+  std::vector<float> y_base(max_tokens * N), y_work(max_tokens * N);
+  for (long M : token_counts) {
+    hm::Activations a;
+    a.m = M;
+    a.k = K;
+    a.x = x.data();
+    a.ldx = K;
+    if (is_int) {
+      a.q = q.data();
+      a.ldq = K;
+      a.qscale = qscale.data();
+      a.qsum = qsum.data();
+      a.ldg = K / group;
+    }
+    std::vector<double> base, work, read;
+    const double bytes = static_cast<double>(2 * copies) * N * row_bytes;
+    for (int round = 0; round < 7; ++round) {
+      const double t0 = now();
+      for (long c = 0; c < 2 * copies; ++c) run_base(mats[c % copies], a, y_base.data());
+      const double t1 = now();
+      for (long c = 0; c < 2 * copies; ++c) run_work(mats[c % copies], a, y_work.data());
+      const double t2 = now();
+      __m256i acc = _mm256_setzero_si256();  // the same bytes by a plain sequential read
+      for (long c = 0; c < 2 * copies; ++c) {
+        const __m256i* p = reinterpret_cast<const __m256i*>(mats[c % copies].data);
+        for (long i = 0; i + 1 < N * row_bytes / 32; i += 2)
+          acc = _mm256_add_epi64(acc, _mm256_add_epi64(_mm256_loadu_si256(p + i), _mm256_loadu_si256(p + i + 1)));
+      }
+      const double t3 = now();
+      volatile long long sink = _mm256_extract_epi64(acc, 0);
+      (void)sink;
+      base.push_back(bytes / (t1 - t0) / 1e9);
+      work.push_back(bytes / (t2 - t1) / 1e9);
+      read.push_back(bytes / (t3 - t2) / 1e9);
+    }
+    double diff = 0.0;
+    for (long i = 0; i < M * N; ++i)
+      diff = std::max(diff, std::fabs(static_cast<double>(y_base[i]) - y_work[i]) / (1e-6 + std::fabs(y_base[i])));
+    std::printf("%-5s %6ld %6ld %6ld %12.2f %12.2f %6.2fx %12.2f %10.1e\n", fmt.c_str(), N, K, M, median(base),
+                median(work), median(work) / median(base), median(read), diff);
+    std::fflush(stdout);
+  }
+  for (uint8_t* d : storage) std::free(d);
+  return 0;
+}

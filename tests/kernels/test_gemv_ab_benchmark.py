@@ -1,0 +1,46 @@
+"""benchmarks/gemv_ab.sh compiles a git ref's kernel headers beside the working tree's and times both: with HEAD
+as the base and csrc/ unchanged, the two sides must compute the same outputs bit for bit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hybridmoe.kernels import isa
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "gemv_ab.sh"
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+
+
+@pytest.mark.slow
+def test_gemv_ab_times_head_against_the_working_tree():
+    if shutil.which("git") is None or _git("rev-parse", "HEAD").returncode != 0:
+        pytest.skip("not a git checkout")
+    if "avx2" not in isa.available_isas():
+        pytest.skip("the harness needs AVX2")
+    result = subprocess.run(["bash", str(SCRIPT), "--isa", "avx2", "fp8", "64", "256", "1", "5"],
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "HM_AB_POOL_BYTES": "2000000"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("base ") and "ISA avx2" in lines[0]
+    rows = [line.split() for line in lines[2:]]
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("fp8", "64", "256", "1"), ("fp8", "64", "256", "5")]
+    for r in rows:
+        assert float(r[4]) > 0 and float(r[5]) > 0 and r[6].endswith("x") and float(r[7]) > 0
+    if not _git("status", "--porcelain", "--", "csrc").stdout.strip():  # HEAD's headers are the working tree's
+        assert all(float(r[8]) == 0.0 for r in rows)
+
+
+def test_gemv_ab_rejects_bad_arguments():
+    result = subprocess.run(["bash", str(SCRIPT), "--isa", "sse2", "fp8", "64", "256", "1"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "--isa must be" in result.stderr
