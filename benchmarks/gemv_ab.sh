@@ -47,6 +47,7 @@ common=(-O3 -std=c++17 "${cflags[@]}" "-DVOCAB=$vocab")
 "$cxx" "${common[@]}" -I"$tmp/base/csrc" -DSIDE=run_base -c "$here/gemv_ab/side.cpp" -o "$tmp/base.o" &
 "$cxx" "${common[@]}" -I"$repo/csrc" -DSIDE=run_work -c "$here/gemv_ab/side.cpp" -o "$tmp/work.o"
 wait
-"$cxx" -O2 -std=c++17 -mavx2 -I"$repo/csrc" "$here/gemv_ab/main.cpp" "$tmp/base.o" "$tmp/work.o" -o "$tmp/gemv_ab"
+"$cxx" -O2 -std=c++17 -mavx2 -I"$repo/csrc" "$here/gemv_ab/main.cpp" "$repo/csrc/activation_quant.cpp" "$tmp/base.o" \
+  "$tmp/work.o" -o "$tmp/gemv_ab"
 echo "base $(git -C "$repo" rev-parse --short "$base") vs working tree, ISA $isa, one thread"
 "$tmp/gemv_ab" "$@"

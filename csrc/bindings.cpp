@@ -255,8 +255,9 @@ nb::dict topology_dict(const NumaTopology& t) {
   return d;
 }
 
-// One MoE call's inputs, checked, and the arrays that hold their memory.
+// One MoE call's layer and inputs, checked, and the arrays that hold their memory.
 struct MoECall {
+  const MoELayer* layer;
   MoEInput in;
   Array hidden, ids, weights;
   MutArray out;
@@ -298,14 +299,13 @@ MoECall prepare_call(nb::object self_obj, nb::object hidden_obj, nb::object ids_
   in.weights = static_cast<const float*>(weights.data());
   in.out = out.data();
   in.path = parse_path(path);
-  return {in, hidden, ids, weights, out};
+  return {self.layer.get(), in, hidden, ids, weights, out};
 }
 
 MoEHandle submit(nb::object self_obj, nb::object hidden_obj, nb::object ids_obj, nb::object weights_obj,
                  nb::object out_obj, const std::string& path) {
-  MoECall call = prepare_call(self_obj, hidden_obj, ids_obj, weights_obj, out_obj, path);
+  const MoECall call = prepare_call(self_obj, hidden_obj, ids_obj, weights_obj, out_obj, path);
   const KernelTable* kt = active_kernels();
-  const MoELayer* layer = nb::cast<PyMoE&>(self_obj).layer.get();
   MoEHandle handle;
   handle.layer = self_obj;
   handle.out = out_obj;
@@ -313,10 +313,11 @@ MoEHandle submit(nb::object self_obj, nb::object hidden_obj, nb::object ids_obj,
   handle.ids = call.ids;
   handle.weights = call.weights;
   handle.out_array = call.out;
-  const MoEInput in = call.in;
   {
     nb::gil_scoped_release release;
-    handle.job = global_executor().submit([layer, in, kt] { layer->compute(in, *kt, global_pool()); });
+    handle.job = global_executor().submit([layer = call.layer, in = call.in, kt] {
+      layer->compute(in, *kt, global_pool());
+    });
   }
   return handle;
 }
@@ -326,8 +327,7 @@ void run_moe(nb::object self_obj, nb::object hidden_obj, nb::object ids_obj, nb:
              nb::object out_obj, const std::string& path) {
   const MoECall call = prepare_call(self_obj, hidden_obj, ids_obj, weights_obj, out_obj, path);
   const KernelTable* kt = active_kernels();
-  const MoELayer* layer = nb::cast<PyMoE&>(self_obj).layer.get();
-  const std::string error = run_blocking([&] { layer->compute(call.in, *kt, global_pool()); });
+  const std::string error = run_blocking([&] { call.layer->compute(call.in, *kt, global_pool()); });
   if (!error.empty()) throw std::runtime_error("expert kernels failed: " + error);
 }
 
@@ -372,8 +372,8 @@ NB_MODULE(_native, mod) {
                    "Tokens from which path='auto' takes the GEMM path (fewer: the GEMV path), for the active ISA.")
       .def_prop_ro("bf16_dot_min_tokens",
                    [](const PyMatrix& p) -> int64_t {
-                     const bool dot_format = p.m.fmt == WFormat::FP8 || p.m.fmt == WFormat::BF16;
-                     return active_kernels()->bf16_dot && dot_format ? bf16_dot_min_tokens(p.m.fmt) : -1;
+                     return active_kernels()->bf16_dot && has_bf16_dot_path(p.m.fmt) ? bf16_dot_min_tokens(p.m.fmt)
+                                                                                      : -1;
                    },
                    "Tokens from which the GEMV path multiplies with bf16 dot products (activations rounded to bf16) "
                    "under the active ISA; -1 where it never does (ISA or format).")

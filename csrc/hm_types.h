@@ -89,12 +89,15 @@ constexpr int64_t kMaxGemvTokens = kGemmMinTokensFloat - 1;  // the most tokens 
 constexpr int64_t kBf16DotMinTokensFp8 = 2;
 constexpr int64_t kBf16DotMinTokensBf16 = 4;
 
+// The weight formats that a bf16 dot-product table multiplies with bf16 dot products.
+constexpr bool has_bf16_dot_path(WFormat f) { return f == WFormat::FP8 || f == WFormat::BF16; }
+
 static inline int64_t bf16_dot_min_tokens(WFormat f) {
   return f == WFormat::FP8 ? kBf16DotMinTokensFp8 : kBf16DotMinTokensBf16;
 }
 
 static inline int64_t gemm_min_tokens(WFormat f, bool bf16_dot = false) {
-  if (bf16_dot && (f == WFormat::FP8 || f == WFormat::BF16)) return kGemmMinTokensFloat;
+  if (bf16_dot && has_bf16_dot_path(f)) return kGemmMinTokensFloat;
   return f == WFormat::FP8 ? kGemmMinTokensFp8 : is_int_format(f) ? kGemmMinTokensInt : kGemmMinTokensFloat;
 }
 

@@ -41,27 +41,21 @@ inline bool bf16_row_overflows(const float* src, I64 K, I64 bc, const float* sro
 }
 
 // scale_activations (kernels_simd_float.h) into bf16, by the vocabulary's own rounding where it has one
-// (V::scale_to_bf16; the exact overflow test then runs only for rows where an output came out infinite).
+// (V::scale_to_bf16; the exact overflow test then runs only when an output came out infinite).
 template <class V>
 inline bool scale_activations_bf16(const Matrix& w, const float* srow, const Activations& x, float unscale,
                                    uint16_t* dst, I64 ld, const uint16_t** rows) {
   if constexpr (!V::kNativeBf16Round) {
     return scale_activations(w, srow, x, unscale, dst, ld, rows);
   } else {
-    const I64 K = w.cols, bc = srow ? w.block_cols : K;
-    bool fits = true;
-    for (I64 m = 0; m < x.m; ++m) {
-      uint16_t* out = dst + m * ld;
-      const float* src = x_row(x, m);
-      bool infinite = false;
-      for (I64 kb = 0; kb < K; kb += bc)
-        infinite |= V::scale_to_bf16(src + kb, (srow ? srow[kb / bc] : 1.0f) * unscale, out + kb,
-                                     imin(K, kb + bc) - kb);
-      std::memset(out + K, 0, static_cast<size_t>(ld - K) * sizeof(uint16_t));
-      rows[m] = out;
-      if (infinite && bf16_row_overflows(src, K, bc, srow, unscale)) fits = false;
-    }
-    return fits;
+    const bool infinite = scale_rows(w, srow, x, unscale, dst, ld, rows, [](const float* src, float s, uint16_t* out,
+                                                                            I64 n) {
+      return V::scale_to_bf16(src, s, out, n);
+    });
+    const I64 bc = srow ? w.block_cols : w.cols;
+    for (I64 m = 0; infinite && m < x.m; ++m)
+      if (bf16_row_overflows(x_row(x, m), w.cols, bc, srow, unscale)) return false;
+    return true;
   }
 }
 

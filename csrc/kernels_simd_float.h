@@ -187,38 +187,48 @@ inline uint16_t bf16_bits(float f) {
   return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
 }
 
-// Rows x[m] * s[column block] * unscale into dst (M rows of ld, zero past K), as float32 (T = float) or rounded
-// to bf16 (T = uint16_t); srow: one row block's fp8 block scales, nullptr for 1 everywhere. False when a finite
-// product became infinite (overflowed the output type's range).
-template <class T>
-inline bool scale_activations(const Matrix& w, const float* srow, const Activations& x, float unscale, T* dst,
-                              I64 ld, const T** rows) {
+// For each token m: block(src, s, out, n) over the column blocks of its row (src and out at the block's first
+// column, n its columns, s its fp8 block scale * unscale; srow == nullptr: one block, scale 1), then out zeroed
+// past K and rows[m] = out (M rows of ld from dst). Returns whether any block returned true.
+template <class T, class Block>
+inline bool scale_rows(const Matrix& w, const float* srow, const Activations& x, float unscale, T* dst, I64 ld,
+                       const T** rows, Block&& block) {
   const I64 K = w.cols, bc = srow ? w.block_cols : K;
-  int overflow = 0;  // branch-free, so that the loop vectorises
+  bool any = false;
   for (I64 m = 0; m < x.m; ++m) {
     T* out = dst + m * ld;
     const float* src = x_row(x, m);
-    for (I64 kb = 0; kb < K; kb += bc) {
-      const float s = (srow ? srow[kb / bc] : 1.0f) * unscale;
-      const I64 ke = imin(K, kb + bc);
-      for (I64 k = kb; k < ke; ++k) {
-        int infinite;
-        if constexpr (sizeof(T) == 2) {
-          const uint16_t b = bf16_bits(src[k] * s);
-          out[k] = b;
-          infinite = (b & 0x7FFF) == 0x7F80;
-        } else {
-          const float v = src[k] * s;
-          out[k] = v;
-          infinite = std::fabs(v) > FLT_MAX;
-        }
-        overflow |= infinite & static_cast<int>(std::fabs(src[k]) <= FLT_MAX);
-      }
-    }
+    for (I64 kb = 0; kb < K; kb += bc)
+      any |= block(src + kb, (srow ? srow[kb / bc] : 1.0f) * unscale, out + kb, imin(K, kb + bc) - kb);
     for (I64 k = K; k < ld; ++k) out[k] = T{0};
     rows[m] = out;
   }
-  return !overflow;
+  return any;
+}
+
+// Rows x[m] * s[column block] * unscale into dst (see scale_rows), as float32 (T = float) or rounded to bf16
+// (T = uint16_t); srow: one row block's fp8 block scales, nullptr for 1 everywhere. False when a finite product
+// became infinite (overflowed the output type's range).
+template <class T>
+inline bool scale_activations(const Matrix& w, const float* srow, const Activations& x, float unscale, T* dst,
+                              I64 ld, const T** rows) {
+  return !scale_rows(w, srow, x, unscale, dst, ld, rows, [](const float* src, float s, T* out, I64 n) {
+    int overflow = 0;  // branch-free, so that the loop vectorises
+    for (I64 k = 0; k < n; ++k) {
+      int infinite;
+      if constexpr (sizeof(T) == 2) {
+        const uint16_t b = bf16_bits(src[k] * s);
+        out[k] = b;
+        infinite = (b & 0x7FFF) == 0x7F80;
+      } else {
+        const float v = src[k] * s;
+        out[k] = v;
+        infinite = std::fabs(v) > FLT_MAX;
+      }
+      overflow |= infinite & static_cast<int>(std::fabs(src[k]) <= FLT_MAX);
+    }
+    return overflow != 0;
+  });
 }
 
 // The end of the segment of rows starting at r that share one fp8 scale row (rows of one row block).

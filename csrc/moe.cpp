@@ -115,35 +115,6 @@ std::vector<WorkBufferInfo> work_buffers() {
   return info;
 }
 
-void quantize_row(const float* x, I64 k, I64 padded, int group, int8_t* q, float* scale, float* qsum) {
-  for (I64 g = 0; g * group < padded; ++g) {
-    const I64 begin = g * group, end = std::min<I64>(begin + group, k);
-    float amax = 0.0f;
-    bool finite = true;
-    for (I64 i = begin; i < end; ++i) {
-      finite &= std::isfinite(x[i]);
-      amax = std::max(amax, std::fabs(x[i]));
-    }
-    int8_t* qg = q + begin;
-    std::memset(qg, 0, static_cast<size_t>(group));
-    if (!finite) {
-      scale[g] = NAN;
-      qsum[g] = NAN;
-      continue;
-    }
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t sum = 0;
-    for (I64 i = begin; i < end; ++i) {
-      const float v = std::nearbyint(x[i] * inv);
-      const int qi = static_cast<int>(std::min(127.0f, std::max(-127.0f, v)));
-      qg[i - begin] = static_cast<int8_t>(qi);
-      sum += qi;
-    }
-    scale[g] = amax / 127.0f;
-    qsum[g] = scale[g] * static_cast<float>(sum);
-  }
-}
-
 MoELayer::MoELayer(std::vector<ExpertMatrices> experts, I64 hidden, I64 intermediate, const NumaTopology& topology)
     : experts_(std::move(experts)), hidden_(hidden), intermediate_(intermediate) {
   if (experts_.empty()) throw std::invalid_argument("MoE layer needs at least one expert");

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "activation_quant.h"
 #include "hm_types.h"
 #include "moe_shards.h"
 #include "thread_pool.h"
@@ -70,10 +71,6 @@ std::vector<WorkBufferInfo> work_buffers();
 // y [M, N] = x [M, K] (fp32, row stride ldx) @ W^T, on `pool`.
 void run_matmul(const Matrix& w, const float* x, int64_t m, int64_t ldx, float* y, MatmulPath path,
                 const KernelTable& kt, ThreadPool& pool);
-
-// Quantises one row x[0, k) (zero beyond k, up to padded) to int8 per group: q = rint(x * 127 / amax),
-// scale = amax / 127, qsum = scale * sum(q). A group holding a NaN/Inf gets q = 0 and scale = NaN.
-void quantize_row(const float* x, int64_t k, int64_t padded, int group, int8_t* q, float* scale, float* qsum);
 
 // For the fp8 codes of each row r: flags[r] = kRowHasNan | kRowHasSubnormal as they occur, and bit kb of
 // blocks[r * block_stride ...] set when column block kb holds a subnormal code. Runs on `pool`.

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "activation_quant.h"
 #include "hm_types.h"
 
 void run_base(const hm::Matrix&, const hm::Activations&, float*);
@@ -102,25 +103,13 @@ int main(int argc, char** argv) {
     }
   }
 
-  // activations in [-1, 1], and (int formats) their int8 copy per group of 128 as the MoE driver makes it
+  // activations in [-1, 1], and (int formats) their int8 copy per group of 128, quantised as the MoE driver does
   std::vector<float> x(max_tokens * K), qscale(max_tokens * (K / group)), qsum(max_tokens * (K / group));
   std::vector<int8_t> q(max_tokens * K);
   for (float& v : x) v = static_cast<float>(static_cast<int>(gen() % 2001) - 1000) * 1e-3f;
   for (long m = 0; m < max_tokens; ++m)
-    for (long g = 0; g < K / group; ++g) {
-      const float* xs = x.data() + m * K + g * group;
-      float amax = 0.0f;
-      for (long e = 0; e < group; ++e) amax = std::max(amax, std::fabs(xs[e]));
-      const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-      int sum = 0;
-      for (long e = 0; e < group; ++e) {
-        const int v = static_cast<int>(std::nearbyint(xs[e] / s));
-        q[m * K + g * group + e] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      qscale[m * (K / group) + g] = s;
-      qsum[m * (K / group) + g] = s * static_cast<float>(sum);
-    }
+    hm::quantize_row(x.data() + m * K, K, K, static_cast<int>(group), q.data() + m * K,
+                     qscale.data() + m * (K / group), qsum.data() + m * (K / group));
 
   std::printf("%-5s %6s %6s %6s %12s %12s %7s %12s %10s\n", "fmt", "rows", "cols", "tokens", "base GB/s",
               "work GB/s", "work/b", "read GB/s", "max diff");
