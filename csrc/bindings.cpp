@@ -372,7 +372,7 @@ NB_MODULE(_native, mod) {
                    "Tokens from which path='auto' takes the GEMM path (fewer: the GEMV path), for the active ISA.")
       .def_prop_ro("bf16_dot_min_tokens",
                    [](const PyMatrix& p) -> int64_t {
-                     return active_kernels()->bf16_dot && has_bf16_dot_path(p.m.fmt) ? bf16_dot_min_tokens(p.m.fmt)
+                     return active_kernels()->bf16_dot && has_bf16_dot_path(p.m.fmt) ? bf16_dot_min_tokens(p.m.fmt, p.m.row_bytes)
                                                                                       : -1;
                    },
                    "Tokens from which the GEMV path multiplies with bf16 dot products (activations rounded to bf16) "
@@ -441,9 +441,12 @@ NB_MODULE(_native, mod) {
           "Whether ISA `name` rounds the activations of bf16 and fp8 matmuls to bf16 (bf16 dot products); "
           "ValueError if it cannot run here");
   mod.def("bf16_dot_min_tokens", [] {
-    return std::vector<std::pair<std::string, int64_t>>{{"fp8", bf16_dot_min_tokens(WFormat::FP8)},
-                                                        {"bf16", bf16_dot_min_tokens(WFormat::BF16)}};
-  }, "Tokens per expert from which a bf16 dot-product ISA takes its bf16 dot products, per weight format.");
+    return std::vector<std::pair<std::string, int64_t>>{{"fp8", bf16_dot_min_tokens(WFormat::FP8, 0)},
+                                                        {"bf16", bf16_dot_min_tokens(WFormat::BF16, 0)}};
+  }, "Tokens per expert from which a bf16 dot-product ISA takes its bf16 dot products, per weight format, for rows "
+     "shorter than bf16_dot_long_row_bytes() (longer rows: from one token).");
+  mod.def("bf16_dot_long_row_bytes", [] { return kBf16DotLongRowBytes; },
+          "Row length in bytes from which a bf16 dot-product ISA takes its bf16 dot products from one token.");
   mod.def("set_isa", [](const std::string& name) {
     global_executor().drain();
     set_active_isa(name);

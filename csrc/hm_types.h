@@ -86,13 +86,21 @@ constexpr int64_t kMaxGemvTokens = kGemmMinTokensFloat - 1;  // the most tokens 
 // registers (session 14): fp8 1.09-1.43x at 2 tokens, 1.15-1.42x at 3, 1.34-2.06x at 4, but at 1 token 0.94x
 // with both threads from memory (1.23-1.32x otherwise); bf16 0.92-1.23x at 1, 1.01-1.17x at 2, 0.98-1.08x at 3,
 // 1.15-1.31x at 4. (Session 13, before: fp8 0.91-1.0x at 1-2 tokens, 1.17x at 3.)
+// Rows of kBf16DotLongRowBytes and more take them from one token (session 15, Zen 4, benchmarks/gemv_ab.sh, one
+// thread from memory, bf16 dot / float32 at one token): fp8 7 KB rows 1.05-1.10x, bf16 4-14 KB rows 1.08-1.25x;
+// shorter rows lost (fp8 0.79-0.96x at 0.75-2 KB, bf16 0.95-0.98x at 1.5 KB). With their weights in cache the bf16
+// dot products at one token read fp8 at 46-47 GB/s against 21-23 (the float32 GEMV decodes 16 codes per FMA).
 constexpr int64_t kBf16DotMinTokensFp8 = 2;
 constexpr int64_t kBf16DotMinTokensBf16 = 4;
+constexpr int64_t kBf16DotLongRowBytes = 4 << 10;
 
 // The weight formats that a bf16 dot-product table multiplies with bf16 dot products.
 constexpr bool has_bf16_dot_path(WFormat f) { return f == WFormat::FP8 || f == WFormat::BF16; }
 
-static inline int64_t bf16_dot_min_tokens(WFormat f) {
+// Tokens per expert from which a bf16 dot-product table multiplies format f's rows of row_bytes bytes with bf16
+// dot products.
+static inline int64_t bf16_dot_min_tokens(WFormat f, int64_t row_bytes) {
+  if (row_bytes >= kBf16DotLongRowBytes) return 1;
   return f == WFormat::FP8 ? kBf16DotMinTokensFp8 : kBf16DotMinTokensBf16;
 }
 

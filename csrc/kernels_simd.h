@@ -34,7 +34,7 @@ template <class V, WFormat F>
 void matmul_fp(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
   if (gemm || x.m > kMaxGemvTokens) return matmul_fp_gemm<V, F>(w, r0, r1, x, y, ldy);
   if constexpr (V::kBf16Dot && has_bf16_dot_path(F))
-    if (x.m >= bf16_dot_min_tokens(F)) return matmul_bf16_dot_gemv<V, F>(w, r0, r1, x, y, ldy);
+    if (x.m >= bf16_dot_min_tokens(F, w.row_bytes)) return matmul_bf16_dot_gemv<V, F>(w, r0, r1, x, y, ldy);
   return matmul_fp_gemv<V, F>(w, r0, r1, x, y, ldy);
 }
 

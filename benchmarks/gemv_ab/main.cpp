@@ -7,6 +7,9 @@
 // sequential read of the same memory in GB/s, and the largest relative difference between the two outputs.
 // The matrices rotate over ~400 MB (HM_AB_POOL_BYTES overrides), so rows come from memory; fp8 codes are
 // normal (no subnormal, no NaN), block scales 128 x 128; int scales bf16 per group of 128 (int4 and int8).
+// HM_AB_HUGE_PAGES=1 puts the matrices on transparent huge pages (2 MB-aligned, madvise), as the kernels' own
+// copies of the experts are.
+#include <sys/mman.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -59,6 +62,19 @@ int main(int argc, char** argv) {
   const long pool = pool_env ? std::atol(pool_env) : 400L << 20;
   const long group = 128, row_bytes = fmt == "bf16" ? 2 * K : fmt == "int4" ? K / 2 : K;
   const long copies = std::max(2L, pool / (N * row_bytes));
+  const char* huge_env = std::getenv("HM_AB_HUGE_PAGES");
+  const bool huge = huge_env && std::string(huge_env) == "1";
+  const long matrix_bytes = (N * row_bytes + 63) / 64 * 64, huge_bytes = (copies * matrix_bytes + (2L << 20)) >> 21 << 21;
+  uint8_t* huge_pool = nullptr;
+  if (huge) {  // one 2 MB-aligned region for all matrices, advised before the first touch
+    void* p = mmap(nullptr, huge_bytes + (2L << 20), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      std::perror("mmap");
+      return 1;
+    }
+    huge_pool = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(p) + (2L << 20) - 1) >> 21 << 21);
+    madvise(huge_pool, huge_bytes, MADV_HUGEPAGE);
+  }
   std::mt19937 gen(1);
 
   // weights: `copies` matrices of N x K in the format, sharing one set of scales and (zero) fp8 flags
@@ -68,9 +84,10 @@ int main(int argc, char** argv) {
   std::vector<uint8_t> row_flags(N, 0), subnormal_blocks(N * ((K / 128 + 7) / 8), 0);
   std::vector<hm::Matrix> mats(copies);
   std::vector<uint8_t*> storage;
-  for (hm::Matrix& w : mats) {
-    uint8_t* d = static_cast<uint8_t*>(std::aligned_alloc(64, (N * row_bytes + 63) / 64 * 64));
-    storage.push_back(d);
+  for (long c = 0; c < copies; ++c) {
+    hm::Matrix& w = mats[c];
+    uint8_t* d = huge ? huge_pool + c * matrix_bytes : static_cast<uint8_t*>(std::aligned_alloc(64, matrix_bytes));
+    if (!huge) storage.push_back(d);
     for (long i = 0; i < N * row_bytes; ++i) {
       uint8_t b = static_cast<uint8_t>(gen());
       if (fmt == "fp8") b = static_cast<uint8_t>((gen() & 0x80) | ((1 + b % 14) << 3) | (gen() & 7));  // normal
