@@ -8,6 +8,8 @@
 # REF defaults to HEAD; the ISA defaults to the table hybridmoe would choose here (avx512bf16 on AMD CPUs with
 # AVX512-BF16, else avx512 where the CPU has it, else avx2). FORMAT fp8 | bf16 | int4 | int8; COLS a multiple
 # of 128. Example: benchmarks/gemv_ab.sh fp8 2048 7168 1 2 4 8. Needs git and a C++17 compiler ($CXX, g++).
+# Environment: HM_AB_POOL_BYTES (the matrices rotate over ~400 MB), HM_AB_HUGE_PAGES=1 (matrices on transparent
+# huge pages, as the kernels' own copies of the experts are).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(git -C "$here" rev-parse --show-toplevel)

@@ -1,5 +1,6 @@
 """benchmarks/gemv_ab.sh compiles a git ref's kernel headers beside the working tree's and times both: with HEAD
-as the base and csrc/ unchanged, the two sides must compute the same outputs bit for bit."""
+as the base and csrc/ unchanged, the two sides must compute the same outputs bit for bit, with the matrices on
+4 KB or (HM_AB_HUGE_PAGES=1) huge pages."""
 
 from __future__ import annotations
 
@@ -21,14 +22,15 @@ def _git(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_gemv_ab_times_head_against_the_working_tree():
+@pytest.mark.parametrize("huge_pages", ["0", "1"])
+def test_gemv_ab_times_head_against_the_working_tree(huge_pages):
     if shutil.which("git") is None or _git("rev-parse", "HEAD").returncode != 0:
         pytest.skip("not a git checkout")
     if "avx2" not in isa.available_isas():
         pytest.skip("the harness needs AVX2")
     result = subprocess.run(["bash", str(SCRIPT), "--isa", "avx2", "fp8", "64", "256", "1", "5"],
                             capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "HM_AB_POOL_BYTES": "2000000"})
+                            env={**os.environ, "HM_AB_POOL_BYTES": "2000000", "HM_AB_HUGE_PAGES": huge_pages})
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("base ") and "ISA avx2" in lines[0]
