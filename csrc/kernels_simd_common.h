@@ -63,18 +63,28 @@ enum class NextRows { LinearL1, LinearL2, StreamsL2 };
 
 constexpr I64 kPrefetchL2MinBytes = 3 << 10;  // rows from which the next tile goes to L2 rather than L1
 constexpr I64 kRowStreamMinBytes = 4 << 10;   // rows from which the float GEMV prefetches R streams
+// With several tokens, short rows' next tile also goes to L2 once the tokens' activations (bytes the tiles read
+// again for every row tile) and this tile's and the next tile's rows exceed this much of L1: prefetched into L1
+// they evicted the activations. Measured 2026-11-30 (Zen 4, one thread, rows from memory, benchmarks/gemv_ab.sh,
+// into L2 / into L1): fp8 2 KB rows 1.07-1.57x at 2-16 tokens with bf16 dot products (bf16 activations), 1.08-1.25x
+// at 2-12 tokens in the float32 GEMV; bf16 1.5 KB rows 1.05-2.01x at 2-16 tokens; below the bound L1 stayed
+// ahead (fp8 0.75 KB rows: 0.66-0.89x at 2-6 tokens with bf16 dot products, 0.68x at 2 in the float32 GEMV; at
+// one token, where the policy above was measured, fp8 2 KB rows 0.95x).
+constexpr I64 kL1PrefetchMaxBytes = 16 << 10;
 
 template <NextRows P>
 struct NextRowsTag {
   static constexpr NextRows kPolicy = P;
 };
 
-// fn(NextRowsTag<P>{}) with the policy P for rows of row_bytes (R streams only where kStreams).
-template <bool kStreams, class Fn>
-inline void with_next_rows(I64 row_bytes, Fn&& fn) {
+// fn(NextRowsTag<P>{}) with the policy P for tiles of R rows of row_bytes, read against `tokens` tokens whose
+// activations take activation_bytes (R streams only where kStreams).
+template <bool kStreams, int R, class Fn>
+inline void with_next_rows(I64 row_bytes, I64 tokens, I64 activation_bytes, Fn&& fn) {
   if constexpr (kStreams)
     if (row_bytes >= kRowStreamMinBytes) return fn(NextRowsTag<NextRows::StreamsL2>{});
-  if (row_bytes >= kPrefetchL2MinBytes) return fn(NextRowsTag<NextRows::LinearL2>{});
+  if (row_bytes >= kPrefetchL2MinBytes || (tokens > 1 && activation_bytes + 2 * R * row_bytes > kL1PrefetchMaxBytes))
+    return fn(NextRowsTag<NextRows::LinearL2>{});
   fn(NextRowsTag<NextRows::LinearL1>{});
 }
 
