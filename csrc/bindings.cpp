@@ -443,10 +443,10 @@ NB_MODULE(_native, mod) {
   mod.def("bf16_dot_min_tokens", [] {
     return std::vector<std::pair<std::string, int64_t>>{{"fp8", bf16_dot_min_tokens(WFormat::FP8, 0)},
                                                         {"bf16", bf16_dot_min_tokens(WFormat::BF16, 0)}};
-  }, "Tokens per expert from which a bf16 dot-product ISA takes its bf16 dot products, per weight format, for rows "
-     "shorter than bf16_dot_long_row_bytes() (longer rows: from one token).");
+  }, "Tokens per expert from which a bf16 dot-product ISA takes its bf16 dot products, per weight format (bf16 "
+     "rows of bf16_dot_long_row_bytes() and more: from one token).");
   mod.def("bf16_dot_long_row_bytes", [] { return kBf16DotLongRowBytes; },
-          "Row length in bytes from which a bf16 dot-product ISA takes its bf16 dot products from one token.");
+          "bf16 row length in bytes from which a bf16 dot-product ISA takes its bf16 dot products from one token.");
   mod.def("set_isa", [](const std::string& name) {
     global_executor().drain();
     set_active_isa(name);

@@ -86,11 +86,13 @@ constexpr int64_t kMaxGemvTokens = kGemmMinTokensFloat - 1;  // the most tokens 
 // registers (session 14): fp8 1.09-1.43x at 2 tokens, 1.15-1.42x at 3, 1.34-2.06x at 4, but at 1 token 0.94x
 // with both threads from memory (1.23-1.32x otherwise); bf16 0.92-1.23x at 1, 1.01-1.17x at 2, 0.98-1.08x at 3,
 // 1.15-1.31x at 4. (Session 13, before: fp8 0.91-1.0x at 1-2 tokens, 1.17x at 3.)
-// Rows of kBf16DotLongRowBytes and more take them from one token (session 15, Zen 4, benchmarks/gemv_ab.sh, one
-// thread from memory, bf16 dot / float32 at one token): fp8 7 KB rows 1.05-1.10x, bf16 4-14 KB rows 1.08-1.25x;
-// shorter rows lost (fp8 0.79-0.96x at 0.75-2 KB, bf16 0.95-0.98x at 1.5 KB). With their weights in cache the bf16
-// dot products at one token read fp8 at 46-47 GB/s against 21-23 (the float32 GEMV decodes 16 codes per FMA).
-constexpr int64_t kBf16DotMinTokensFp8 = 2;
+// Session 15 (Zen 4, benchmarks/gemv_ab.sh, one thread, bf16 dot / float32 at one token): with their weights in
+// cache the float32 GEMV reads fp8 at 21-23 GB/s, bound by its decode (16 codes per widening load, shift, and and
+// FMA), the bf16 dot products at 39-47 (32 codes); from memory fp8 rows of 0.75-7 KB 1.00-1.10x once the
+// single-token tile kept two sets of accumulators (with one set, 0.59-0.79x for 0.75 KB rows), so fp8 takes them
+// from one token. bf16 rows of kBf16DotLongRowBytes and more too (4-14 KB rows from memory 1.08-1.25x); shorter
+// bf16 rows lost (1.5 KB: 0.85-0.98x from memory, 1.45x in cache).
+constexpr int64_t kBf16DotMinTokensFp8 = 1;
 constexpr int64_t kBf16DotMinTokensBf16 = 4;
 constexpr int64_t kBf16DotLongRowBytes = 4 << 10;
 
@@ -100,8 +102,8 @@ constexpr bool has_bf16_dot_path(WFormat f) { return f == WFormat::FP8 || f == W
 // Tokens per expert from which a bf16 dot-product table multiplies format f's rows of row_bytes bytes with bf16
 // dot products.
 static inline int64_t bf16_dot_min_tokens(WFormat f, int64_t row_bytes) {
-  if (row_bytes >= kBf16DotLongRowBytes) return 1;
-  return f == WFormat::FP8 ? kBf16DotMinTokensFp8 : kBf16DotMinTokensBf16;
+  if (f == WFormat::FP8) return kBf16DotMinTokensFp8;
+  return row_bytes >= kBf16DotLongRowBytes ? 1 : kBf16DotMinTokensBf16;
 }
 
 static inline int64_t gemm_min_tokens(WFormat f, bool bf16_dot = false) {

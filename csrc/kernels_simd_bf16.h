@@ -67,6 +67,23 @@ HM_TILE_INLINE void accumulate_b(const uint8_t* const* rowp, I64 k0, I64 k1, con
   constexpr int L = 2 * V::W;
   constexpr I64 B = bytes_per_weight<F>();
   I64 k = k0;
+  if constexpr (R * MT <= 4) {  // a second set of accumulators: 2 * R * MT dot-product chains in flight
+    typename V::F acc2[R][MT];
+    HM_UNROLL for (int i = 0; i < R; ++i)
+      HM_UNROLL for (int j = 0; j < MT; ++j) acc2[i][j] = V::zero();
+    for (; k + 2 * L <= k1; k += 2 * L) {
+      if (next) prefetch_next<P, R, 2 * L * B>(next, stride, k * B);
+      HM_UNROLL for (int i = 0; i < R; ++i) {
+        const typename V::B w0 = decode_b<V, F>(rowp[i] + k * B), w1 = decode_b<V, F>(rowp[i] + (k + L) * B);
+        HM_UNROLL for (int j = 0; j < MT; ++j) {
+          acc[i][j] = V::dot_b(acc[i][j], w0, V::load_b(xr[j] + k));
+          acc2[i][j] = V::dot_b(acc2[i][j], w1, V::load_b(xr[j] + k + L));
+        }
+      }
+    }
+    HM_UNROLL for (int i = 0; i < R; ++i)
+      HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = V::add(acc[i][j], acc2[i][j]);
+  }
   for (; k + L <= k1; k += L) {
     if (next) prefetch_next<P, R, L * B>(next, stride, k * B);
     HM_UNROLL for (int i = 0; i < R; ++i) {

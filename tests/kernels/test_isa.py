@@ -83,5 +83,5 @@ def test_info_prints_the_bf16_dot_product_thresholds():
     lines = [line for line in result.stdout.splitlines() if "bf16 dot products" in line]
     assert len(lines) == len(dot_isas)
     for line in lines:
-        assert (f"from {min_tokens['bf16']}/{min_tokens['fp8']} tokens per expert (from 1 for rows of "
-                f"{isa.bf16_dot_long_row_bytes()} bytes and more)") in line
+        assert (f"from {min_tokens['bf16']}/{min_tokens['fp8']} tokens per expert (bf16 rows of "
+                f"{isa.bf16_dot_long_row_bytes()} bytes and more: from 1)") in line

@@ -147,12 +147,11 @@ def test_gemv_rows_of_3_kb_and_more(each_isa, fmt, cols):
         _check(matmul(m, x, "gemv"), x, w64, bf16=bf16 if _bf16(m, "gemv", tokens, fmt, None) else None)
 
 
-@pytest.mark.parametrize("fmt,cols", [("fp8", 700), ("bf16", 700), ("fp8", 4095), ("fp8", 4100), ("bf16", 2047),
-                                      ("bf16", 2050)])
+@pytest.mark.parametrize("fmt,cols", [("fp8", 700), ("fp8", 5000), ("bf16", 700), ("bf16", 2047), ("bf16", 2050)])
 def test_bf16_dot_isas_run_fewer_tokens_as_their_float32_isa(fmt, cols):
-    """Below Matrix.bf16_dot_min_tokens tokens (2 fp8, 4 bf16; 1 for rows of isa.bf16_dot_long_row_bytes() and
-    more) a bf16 dot-product ISA runs the float32 GEMV of its base ISA, bit for bit; from there on it rounds the
-    activations to bf16 (results differ)."""
+    """Below Matrix.bf16_dot_min_tokens tokens (fp8 1: always; bf16 4, or 1 for rows of isa.bf16_dot_long_row_bytes()
+    and more) a bf16 dot-product ISA runs the float32 GEMV of its base ISA, bit for bit; from there on it rounds
+    the activations to bf16 (results differ)."""
     names = [name for name in isa.available_isas() if isa.bf16_dot(name)]
     if not names:
         pytest.skip("no bf16 dot-product ISA here")
@@ -163,14 +162,14 @@ def test_bf16_dot_isas_run_fewer_tokens_as_their_float32_isa(fmt, cols):
         m = kernel_matrix("fp8", q, s)
     else:
         m = kernel_matrix("bf16", torch.randn(rows, cols, generator=gen).bfloat16())
-    long_rows = cols * (1 if fmt == "fp8" else 2) >= isa.bf16_dot_long_row_bytes()
-    assert long_rows == (cols in (4100, 2050))
+    long_bf16_rows = fmt == "bf16" and 2 * cols >= isa.bf16_dot_long_row_bytes()
+    assert long_bf16_rows == (fmt == "bf16" and cols == 2050)
     for name in names:
         with isa.use_isa(name):
             threshold = m.bf16_dot_min_tokens
-        assert threshold == (1 if long_rows else isa.bf16_dot_min_tokens()[fmt])
-        assert long_rows or threshold >= 2
-        for tokens in range(1, threshold + 1):
+        assert threshold == (1 if long_bf16_rows else isa.bf16_dot_min_tokens()[fmt])
+        assert threshold == 1 if fmt == "fp8" else threshold in (1, 4)
+        for tokens in range(1, threshold + 2):
             x = torch.randn(tokens, cols, generator=gen)
             with isa.use_isa(name):
                 dot = matmul(m, x, "gemv")

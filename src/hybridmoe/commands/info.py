@@ -50,8 +50,8 @@ def run(args) -> int:
         if not reason and isa.bf16_dot(name):
             min_tokens, long_rows = isa.bf16_dot_min_tokens(), isa.bf16_dot_long_row_bytes()
             notes.append(f"bf16 dot products for bf16/fp8 weights from {min_tokens['bf16']}/{min_tokens['fp8']} "
-                         f"tokens per expert (from 1 for rows of {long_rows} bytes and more), activations rounded "
-                         "to bf16")
+                         f"tokens per expert (bf16 rows of {long_rows} bytes and more: from 1), activations "
+                         "rounded to bf16")
         if name == "avx2bf16" and not reason:
             notes.append("emulated, for tests")
         if not reason and not isa.auto_selected(name):
