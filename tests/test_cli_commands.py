@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -44,3 +47,17 @@ def test_demo_runs_with_no_arguments(capsys, tmp_path, monkeypatch):
     assert main(["demo", "--max-tokens", "8"]) == 0
     out, err = capsys.readouterr()
     assert "architecture: DeepseekV3ForCausalLM" in err and len(SPEED_LINE.findall(err)) == 2
+
+
+def test_a_closed_output_pipe_stops_quietly():
+    """`hybridmoe info | head -1`: when the reader has gone, the command stops with SIGPIPE's status (141) and
+    no traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to stdout fails with EPIPE
+    try:
+        result = subprocess.run([sys.executable, "-m", "hybridmoe.cli", "info"], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141, result.stderr
+    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr
