@@ -372,8 +372,8 @@ NB_MODULE(_native, mod) {
                    "Tokens from which path='auto' takes the GEMM path (fewer: the GEMV path), for the active ISA.")
       .def_prop_ro("bf16_dot_min_tokens",
                    [](const PyMatrix& p) -> int64_t {
-                     return active_kernels()->bf16_dot && has_bf16_dot_path(p.m.fmt) ? bf16_dot_min_tokens(p.m.fmt, p.m.row_bytes)
-                                                                                      : -1;
+                     if (!active_kernels()->bf16_dot || !has_bf16_dot_path(p.m.fmt)) return -1;
+                     return bf16_dot_min_tokens(p.m.fmt, p.m.row_bytes);
                    },
                    "Tokens from which the GEMV path multiplies with bf16 dot products (activations rounded to bf16) "
                    "under the active ISA; -1 where it never does (ISA or format).")
@@ -442,7 +442,7 @@ NB_MODULE(_native, mod) {
           "ValueError if it cannot run here");
   mod.def("bf16_dot_min_tokens", [] {
     return std::vector<std::pair<std::string, int64_t>>{{"fp8", bf16_dot_min_tokens(WFormat::FP8, 0)},
-                                                        {"bf16", bf16_dot_min_tokens(WFormat::BF16, 0)}};
+                                                        {"bf16", bf16_dot_min_tokens(WFormat::BF16, 0)}};  // short rows
   }, "Tokens per expert from which a bf16 dot-product ISA takes its bf16 dot products, per weight format (bf16 "
      "rows of bf16_dot_long_row_bytes() and more: from one token).");
   mod.def("bf16_dot_long_row_bytes", [] { return kBf16DotLongRowBytes; },

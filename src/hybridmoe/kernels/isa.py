@@ -4,9 +4,9 @@ The best ISA the CPU and the build support runs (avx512bf16 on AMD CPUs > avx512
 HYBRIDMOE_ISA=scalar|avx2|avx2bf16|avx512|avx512bf16 forces one (an unusable value raises ValueError naming the
 missing CPU features). avx512bf16 runs bf16 and fp8 weights on the GEMV path with bf16 dot products
 (activations rounded to bf16) from Matrix.bf16_dot_min_tokens tokens per expert (1 fp8, 4 bf16; 1 for bf16 rows
-of 4 KB and more), and as avx512 otherwise; avx2bf16 emulates it on AVX2 to test it anywhere and is never chosen by itself. avx512bf16 is chosen
-on AMD CPUs only: on Zen 4 it ran the MoE 1.1-1.8x as fast as avx512 where it multiplies in bf16, on a Xeon
-(Emerald Rapids) 0.82-1.10x (docs/kernels.md).
+of 4 KB and more), and as avx512 otherwise; avx2bf16 emulates it on AVX2 to test it anywhere and is never chosen
+by itself. avx512bf16 is chosen on AMD CPUs only: on Zen 4 it ran the MoE 1.1-1.8x as fast as avx512 where it
+multiplies in bf16, on a Xeon (Emerald Rapids) 0.82-1.10x (docs/kernels.md).
 HYBRIDMOE_NUM_THREADS sets the pool size (default: the CPUs this process may use).
 """
 
