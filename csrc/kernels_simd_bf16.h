@@ -195,7 +195,7 @@ void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activatio
 
 template <class V, WFormat F>
 void matmul_bf16_dot_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
-  with_next_rows<true, 4>(w.row_bytes, x.m, x.m * w.cols * I64{sizeof(uint16_t)}, [&](auto tag) {
+  with_next_rows<V, Gemv::Float, 4>(w.row_bytes, x.m, x.m * w.cols * I64{sizeof(uint16_t)}, [&](auto tag) {
     matmul_bf16_dot_gemv_tiles<V, F, decltype(tag)::kPolicy>(w, r0, r1, x, y, ldy);
   });
 }

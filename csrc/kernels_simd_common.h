@@ -69,22 +69,35 @@ constexpr I64 kRowStreamMinBytes = 4 << 10;   // rows from which the float GEMV 
 // into L2 / into L1): fp8 2 KB rows 1.07-1.57x at 2-16 tokens with bf16 dot products (bf16 activations), 1.08-1.25x
 // at 2-12 tokens in the float32 GEMV; bf16 1.5 KB rows 1.05-2.01x at 2-16 tokens; below the bound L1 stayed
 // ahead (fp8 0.75 KB rows: 0.66-0.89x at 2-6 tokens with bf16 dot products, 0.68x at 2 in the float32 GEMV; at
-// one token, where the policy above was measured, fp8 2 KB rows 0.95x).
+// one token, where the policy above was measured, fp8 2 KB rows 0.95x). The AVX2 tables, with half the
+// arithmetic per instruction, lost at 2-3 tokens (bf16 1.5 KB rows 0.91-0.97x, int8 2 KB rows 0.92-0.94x) and
+// gained from 4 in the float GEMVs (bf16 1.23-1.43x, fp8 2 KB rows 1.14-1.16x), not in the int GEMV (int8
+// 0.91-1.00x at 4-8 tokens): there the rule starts at 4 tokens, and the int GEMV keeps L1.
 constexpr I64 kL1PrefetchMaxBytes = 16 << 10;
+
+// The GEMV a prefetch policy is for: the float ones (float32 activations, bf16 dot products) or the int one.
+enum class Gemv { Float, Int };
+
+// Tokens from which the activations of vocabulary V's GEMV G count against kL1PrefetchMaxBytes (none: INT64_MAX).
+template <class V, Gemv G>
+constexpr I64 l2_prefetch_min_tokens() {
+  return V::W >= 16 ? 2 : G == Gemv::Float ? 4 : INT64_MAX;
+}
 
 template <NextRows P>
 struct NextRowsTag {
   static constexpr NextRows kPolicy = P;
 };
 
-// fn(NextRowsTag<P>{}) with the policy P for tiles of R rows of row_bytes, read against `tokens` tokens whose
-// activations take activation_bytes (R streams only where kStreams).
-template <bool kStreams, int R, class Fn>
+// fn(NextRowsTag<P>{}) with the policy P for GEMV G's tiles of R rows of row_bytes, read by vocabulary V against
+// `tokens` tokens whose activations take activation_bytes (R streams: float GEMVs only).
+template <class V, Gemv G, int R, class Fn>
 inline void with_next_rows(I64 row_bytes, I64 tokens, I64 activation_bytes, Fn&& fn) {
-  if constexpr (kStreams)
+  if constexpr (G == Gemv::Float)
     if (row_bytes >= kRowStreamMinBytes) return fn(NextRowsTag<NextRows::StreamsL2>{});
-  if (row_bytes >= kPrefetchL2MinBytes || (tokens > 1 && activation_bytes + 2 * R * row_bytes > kL1PrefetchMaxBytes))
-    return fn(NextRowsTag<NextRows::LinearL2>{});
+  const bool evicts =
+      tokens >= l2_prefetch_min_tokens<V, G>() && activation_bytes + 2 * R * row_bytes > kL1PrefetchMaxBytes;
+  if (row_bytes >= kPrefetchL2MinBytes || evicts) return fn(NextRowsTag<NextRows::LinearL2>{});
   fn(NextRowsTag<NextRows::LinearL1>{});
 }
 

@@ -287,7 +287,7 @@ void matmul_fp_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x,
 
 template <class V, WFormat F>
 void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
-  with_next_rows<true, 4>(w.row_bytes, x.m, x.m * w.cols * I64{sizeof(float)}, [&](auto tag) {
+  with_next_rows<V, Gemv::Float, 4>(w.row_bytes, x.m, x.m * w.cols * I64{sizeof(float)}, [&](auto tag) {
     matmul_fp_gemv_tiles<V, F, decltype(tag)::kPolicy>(w, r0, r1, x, y, ldy);
   });
 }
