@@ -66,13 +66,14 @@ int main(int argc, char** argv) {
   const bool huge = huge_env && std::string(huge_env) == "1";
   const long matrix_bytes = (N * row_bytes + 63) / 64 * 64, huge_bytes = (copies * matrix_bytes + (2L << 20)) >> 21 << 21;
   uint8_t* huge_pool = nullptr;
+  void* huge_map = nullptr;
   if (huge) {  // one 2 MB-aligned region for all matrices, advised before the first touch
-    void* p = mmap(nullptr, huge_bytes + (2L << 20), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) {
+    huge_map = mmap(nullptr, huge_bytes + (2L << 20), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (huge_map == MAP_FAILED) {
       std::perror("mmap");
       return 1;
     }
-    huge_pool = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(p) + (2L << 20) - 1) >> 21 << 21);
+    huge_pool = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(huge_map) + (2L << 20) - 1) >> 21 << 21);
     madvise(huge_pool, huge_bytes, MADV_HUGEPAGE);
   }
   std::mt19937 gen(1);
@@ -173,5 +174,6 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
   for (uint8_t* d : storage) std::free(d);
+  if (huge_map) munmap(huge_map, huge_bytes + (2L << 20));
   return 0;
 }
