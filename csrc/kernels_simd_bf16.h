@@ -59,46 +59,28 @@ inline bool scale_activations_bf16(const Matrix& w, const float* srow, const Act
   }
 }
 
-// acc[i][j] += sum over k in [k0, k1) of W[row i][k] * xb[token j][k], L weights a step; a partial last step
-// reads its weights through a zero-padded copy. next, P: as in accumulate (kernels_simd_float.h).
+// One step of the bf16 dot-product GEMV: L = 2W weights of format F decoded to bf16, multiplied by bf16
+// activations into W float32 lanes (V::dot_b).
+template <class V, WFormat F>
+struct DotStep {
+  static constexpr int kLanes = 2 * V::W;
+  static constexpr I64 kBytes = bytes_per_weight<F>();
+  using X = uint16_t;
+  using Acc = typename V::F;
+  using Weights = typename V::B;
+  static HM_TILE_INLINE Acc zero() { return V::zero(); }
+  static HM_TILE_INLINE Acc add(Acc a, Acc b) { return V::add(a, b); }
+  static HM_TILE_INLINE Weights weights(const uint8_t* p) { return decode_b<V, F>(p); }
+  static HM_TILE_INLINE Acc multiply_add(Acc acc, Weights w, const uint16_t* x) {
+    return V::dot_b(acc, w, V::load_b(x));
+  }
+};
+
+// acc[i][j] += sum over k in [k0, k1) of W[row i][k] * xb[token j][k] (accumulate_steps, kernels_simd_float.h).
 template <class V, WFormat F, int R, int MT, NextRows P>
 HM_TILE_INLINE void accumulate_b(const uint8_t* const* rowp, I64 k0, I64 k1, const uint16_t* const* xr,
                                  typename V::F (&acc)[R][MT], const uint8_t* next, I64 stride) {
-  constexpr int L = 2 * V::W;
-  constexpr I64 B = bytes_per_weight<F>();
-  I64 k = k0;
-  if constexpr (R * MT <= 4) {  // a second set of accumulators: 2 * R * MT dot-product chains in flight
-    typename V::F acc2[R][MT];
-    HM_UNROLL for (int i = 0; i < R; ++i)
-      HM_UNROLL for (int j = 0; j < MT; ++j) acc2[i][j] = V::zero();
-    for (; k + 2 * L <= k1; k += 2 * L) {
-      if (next) prefetch_next<P, R, 2 * L * B>(next, stride, k * B);
-      HM_UNROLL for (int i = 0; i < R; ++i) {
-        const typename V::B w0 = decode_b<V, F>(rowp[i] + k * B), w1 = decode_b<V, F>(rowp[i] + (k + L) * B);
-        HM_UNROLL for (int j = 0; j < MT; ++j) {
-          acc[i][j] = V::dot_b(acc[i][j], w0, V::load_b(xr[j] + k));
-          acc2[i][j] = V::dot_b(acc2[i][j], w1, V::load_b(xr[j] + k + L));
-        }
-      }
-    }
-    HM_UNROLL for (int i = 0; i < R; ++i)
-      HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = V::add(acc[i][j], acc2[i][j]);
-  }
-  for (; k + L <= k1; k += L) {
-    if (next) prefetch_next<P, R, L * B>(next, stride, k * B);
-    HM_UNROLL for (int i = 0; i < R; ++i) {
-      const typename V::B w = decode_b<V, F>(rowp[i] + k * B);
-      HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = V::dot_b(acc[i][j], w, V::load_b(xr[j] + k));
-    }
-  }
-  if (k < k1) {  // the rows' tails copied first: acc is indexed by constants only (it stays in registers)
-    alignas(64) uint8_t tail[R][L * B] = {};
-    for (int i = 0; i < R; ++i) std::memcpy(tail[i], rowp[i] + k * B, static_cast<size_t>((k1 - k) * B));
-    HM_UNROLL for (int i = 0; i < R; ++i) {
-      const typename V::B w = decode_b<V, F>(tail[i]);
-      HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = V::dot_b(acc[i][j], w, V::load_b(xr[j] + k));
-    }
-  }
+  accumulate_steps<DotStep<V, F>, R, MT, P>(rowp, k0, k1, xr, acc, next, stride);
 }
 
 // out[i][j] = W[row i] . x[token j] for one tile (R rows x MT tokens). bf16 weights: one pass over the rows.

@@ -8,54 +8,72 @@
 
 namespace hm {
 namespace {
-// acc[i][j] += sum over k in [k0, k1) of W[row i][k] * x[token j][k]; the rows' last partial vector is read
-// through a zero-padded copy (x is zero-padded always).
+// acc[i][j] += sum over k in [k0, k1) of W[row i][k] * x[token j][k], S::kLanes weights a step (S: how a step
+// decodes the weights and multiplies them, FmaStep or the bf16 dot products' DotStep); the rows' last partial step
+// is read through a zero-padded copy (x is zero-padded always), copied first so that acc is indexed by constants
+// only (it stays in registers).
 // next (may be nullptr): the start of the R rows that follow (stride bytes apart, back to back), prefetched at
 // the rate this tile's rows are read (prefetch_next, policy P), so that the next tile's lines do not wait on memory
 // (hardware prefetchers restart at every row and page). Small tiles (R * MT <= 4) keep a second set of
-// accumulators so that 2 * R * MT FMA chains are in flight.
-template <class V, WFormat F, int R, int MT, NextRows P>
-HM_TILE_INLINE void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* const* xr,
-                               typename V::F (&acc)[R][MT], const uint8_t* next, I64 stride) {
-  constexpr int W = V::W;
-  constexpr I64 B = bytes_per_weight<F>();
-  const uint8_t* row[R];
-  const float* xs[MT];
-  for (int i = 0; i < R; ++i) row[i] = rowp[i];
-  for (int j = 0; j < MT; ++j) xs[j] = xr[j];
+// accumulators so that 2 * R * MT multiply-add chains are in flight.
+template <class S, int R, int MT, NextRows P>
+HM_TILE_INLINE void accumulate_steps(const uint8_t* const* rowp, I64 k0, I64 k1, const typename S::X* const* xr,
+                                     typename S::Acc (&acc)[R][MT], const uint8_t* next, I64 stride) {
+  constexpr int L = S::kLanes;
+  constexpr I64 B = S::kBytes;
   I64 k = k0;
   if constexpr (R * MT <= 4) {
-    typename V::F acc2[R][MT];
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < MT; ++j) acc2[i][j] = V::zero();
-    for (; k + 2 * W <= k1; k += 2 * W) {
-      if (next) prefetch_next<P, R, 2 * W * B>(next, stride, k * B);
+    typename S::Acc acc2[R][MT];
+    HM_UNROLL for (int i = 0; i < R; ++i)
+      HM_UNROLL for (int j = 0; j < MT; ++j) acc2[i][j] = S::zero();
+    for (; k + 2 * L <= k1; k += 2 * L) {
+      if (next) prefetch_next<P, R, 2 * L * B>(next, stride, k * B);
       HM_UNROLL for (int i = 0; i < R; ++i) {
-        const typename V::F w0 = decode<V, F>(row[i] + k * B), w1 = decode<V, F>(row[i] + (k + W) * B);
+        const typename S::Weights w0 = S::weights(rowp[i] + k * B), w1 = S::weights(rowp[i] + (k + L) * B);
         HM_UNROLL for (int j = 0; j < MT; ++j) {
-          acc[i][j] = V::fma(w0, V::load(xs[j] + k), acc[i][j]);
-          acc2[i][j] = V::fma(w1, V::load(xs[j] + k + W), acc2[i][j]);
+          acc[i][j] = S::multiply_add(acc[i][j], w0, xr[j] + k);
+          acc2[i][j] = S::multiply_add(acc2[i][j], w1, xr[j] + k + L);
         }
       }
     }
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < MT; ++j) acc[i][j] = V::add(acc[i][j], acc2[i][j]);
+    HM_UNROLL for (int i = 0; i < R; ++i)
+      HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = S::add(acc[i][j], acc2[i][j]);
   }
-  for (; k + W <= k1; k += W) {
-    if (next) prefetch_next<P, R, W * B>(next, stride, k * B);
+  for (; k + L <= k1; k += L) {
+    if (next) prefetch_next<P, R, L * B>(next, stride, k * B);
     HM_UNROLL for (int i = 0; i < R; ++i) {
-      const typename V::F w = decode<V, F>(row[i] + k * B);
-      HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xs[j] + k), acc[i][j]);
+      const typename S::Weights w = S::weights(rowp[i] + k * B);
+      HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = S::multiply_add(acc[i][j], w, xr[j] + k);
     }
   }
-  if (k < k1) {  // the rows' tails copied first: acc is indexed by constants only (it stays in registers)
-    alignas(64) uint8_t tail[R][W * B] = {};
-    for (int i = 0; i < R; ++i) std::memcpy(tail[i], row[i] + k * B, static_cast<size_t>((k1 - k) * B));
+  if (k < k1) {
+    alignas(64) uint8_t tail[R][L * B] = {};
+    for (int i = 0; i < R; ++i) std::memcpy(tail[i], rowp[i] + k * B, static_cast<size_t>((k1 - k) * B));
     HM_UNROLL for (int i = 0; i < R; ++i) {
-      const typename V::F w = decode<V, F>(tail[i]);
-      HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = V::fma(w, V::load(xs[j] + k), acc[i][j]);
+      const typename S::Weights w = S::weights(tail[i]);
+      HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = S::multiply_add(acc[i][j], w, xr[j] + k);
     }
   }
+}
+
+// One step of the float32 GEMV: W weights of format F decoded to float32, FMA'd against float32 activations.
+template <class V, WFormat F>
+struct FmaStep {
+  static constexpr int kLanes = V::W;
+  static constexpr I64 kBytes = bytes_per_weight<F>();
+  using X = float;
+  using Acc = typename V::F;
+  using Weights = typename V::F;
+  static HM_TILE_INLINE Acc zero() { return V::zero(); }
+  static HM_TILE_INLINE Acc add(Acc a, Acc b) { return V::add(a, b); }
+  static HM_TILE_INLINE Weights weights(const uint8_t* p) { return decode<V, F>(p); }
+  static HM_TILE_INLINE Acc multiply_add(Acc acc, Weights w, const float* x) { return V::fma(w, V::load(x), acc); }
+};
+
+template <class V, WFormat F, int R, int MT, NextRows P>
+HM_TILE_INLINE void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const float* const* xr,
+                               typename V::F (&acc)[R][MT], const uint8_t* next, I64 stride) {
+  accumulate_steps<FmaStep<V, F>, R, MT, P>(rowp, k0, k1, xr, acc, next, stride);
 }
 
 // Zeroes a tile's accumulators, or (finish) writes their horizontal sums to out: four rows at a time where the
