@@ -9,7 +9,8 @@
 # AVX512-BF16, else avx512 where the CPU has it, else avx2). FORMAT fp8 | bf16 | int4 | int8; COLS a multiple
 # of 128. Example: benchmarks/gemv_ab.sh fp8 2048 7168 1 2 4 8. Needs git and a C++17 compiler ($CXX, g++).
 # Environment: HM_AB_POOL_BYTES (the matrices rotate over ~400 MB), HM_AB_HUGE_PAGES=1 (matrices on transparent
-# huge pages, as the kernels' own copies of the experts are).
+# huge pages, as the kernels' own copies of the experts are), HM_AB_INT_GROUP=32|128 (int4 / int8 scale groups;
+# default 128).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(git -C "$here" rev-parse --show-toplevel)
@@ -40,6 +41,10 @@ case $isa in
     cflags+=(-mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512bf16 -DHM_AB_AVX512) ;;
   *) echo "--isa must be avx2, avx512 or avx512bf16, got $isa" >&2; exit 2 ;;
 esac
+if [[ -n ${HM_AB_INT_GROUP:-} && $HM_AB_INT_GROUP != 32 && $HM_AB_INT_GROUP != 128 ]]; then
+  echo "HM_AB_INT_GROUP must be 32 or 128, got $HM_AB_INT_GROUP" >&2
+  exit 2
+fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 mkdir "$tmp/base"

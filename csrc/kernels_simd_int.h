@@ -156,10 +156,20 @@ constexpr I64 kOctFloats = 16;  // per token and oct: its activation scales, the
 // The group order of an oct's sums.
 constexpr int kOctOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 
-// tables[m * octs * 16 + o * 16 + (0..15)] for M tokens; groups past the row's are 0.
-inline float* oct_tables(const Activations& x, I64 groups) {
-  const I64 octs = (groups + 7) / 8;
-  float* tables = scratch_floats(x.m * octs * kOctFloats);
+// The tokens' activations as the oct steps read them, prepared once per call: tables[m * octs * 16 + o * 16 +
+// (0..15)] (groups past the row's are 0), and q[m * ldq ..] the int8 activations in pair order: per 64 elements
+// (a pair of groups), elements 0-15 and 32-47 (the order of the weights' low nibbles), then 16-31 and 48-63
+// (high nibbles), zero-padded to whole octs, so that the steps load them as they are (no per-row permutes).
+struct OctActivations {
+  const float* tables;
+  const int8_t* q;
+  I64 ldq;
+};
+
+inline OctActivations oct_activations(const Activations& x, I64 groups) {
+  const I64 octs = (groups + 7) / 8, ldq = octs * 256;
+  float* tables = scratch_floats(x.m * (octs * kOctFloats + ldq / 4));
+  int8_t* q = reinterpret_cast<int8_t*>(tables + x.m * octs * kOctFloats);
   for (I64 m = 0; m < x.m; ++m) {
     const float* xs = qscale_row(x, m);
     const float* xsum = qsum_row(x, m);
@@ -170,8 +180,22 @@ inline float* oct_tables(const Activations& x, I64 groups) {
         t[l] = g < groups ? xs[g] : 0.0f;
         t[8 + l] = g < groups ? -8.0f * xsum[g] : 0.0f;
       }
+    const int8_t* src = q_row(x, m);
+    int8_t* dst = q + m * ldq;
+    const I64 full = groups / 2 * 64;  // elements in whole pairs of groups
+    for (I64 e = 0; e < full; e += 64) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + e));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + e + 32));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + e), _mm256_permute2x128_si256(a, b, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + e + 32), _mm256_permute2x128_si256(a, b, 0x31));
+    }
+    std::memset(dst + full, 0, static_cast<size_t>(ldq - full));
+    if (groups % 2) {  // a last single group: its elements 0-15 and 16-31 beside zeros
+      std::memcpy(dst + full, src + full, 16);
+      std::memcpy(dst + full + 32, src + full + 16, 16);
+    }
   }
-  return tables;
+  return {tables, q, ldq};
 }
 
 // A row's eight group scales at p -> floats in the oct order.
@@ -199,38 +223,29 @@ HM_TILE_INLINE __m256i fold_pairs(__m256i a, __m256i b) {
 }
 
 // acc[i][j] += one oct of R rows (128 bytes at wrow[i], eight scales at srow[i]) times MT tokens (256 int8
-// activations at xq[j], their oct table at t[j]).
+// activations in pair order at xq[j], their oct table at t[j]). Row by row, pair by pair, so that few vectors are
+// live at once (AVX2's 16 registers held the whole tile's pair sums before, and spilled), the activations read
+// as memory operands.
 template <class V, ScaleType ST, int R, int MT>
 HM_TILE_INLINE void int4_oct_step(const uint8_t* const* wrow, const uint16_t* const* srow, const int8_t* const* xq,
                                   const float* const* t, __m256 (&acc)[R][MT]) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  __m256i half[2][R][MT];  // the folded sums of pairs 0-1 and 2-3
-  for (int q = 0; q < 2; ++q) {
-    __m256i first[R][MT];
-    for (int h = 0; h < 2; ++h) {
-      const int p = 2 * q + h;
-      __m256i xlo[MT], xhi[MT];
-      for (int j = 0; j < MT; ++j) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + 64 * p));
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + 64 * p + 32));
-        xlo[j] = _mm256_permute2x128_si256(a, b, 0x20);
-        xhi[j] = _mm256_permute2x128_si256(a, b, 0x31);
-      }
-      for (int i = 0; i < R; ++i) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[i] + 32 * p));
-        const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        for (int j = 0; j < MT; ++j) {
-          const __m256i d = pair_dot<V>(lo, hi, xlo[j], xhi[j]);
-          if (h == 0) first[i][j] = d;
-          else half[q][i][j] = fold_pairs<V>(first[i][j], d);
-        }
+  HM_UNROLL for (int i = 0; i < R; ++i) {
+    __m256i first[MT], half[2][MT];  // the pair sums of pairs 0 / 2, then the folded pairs 0-1 and 2-3
+    HM_UNROLL for (int p = 0; p < 4; ++p) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[i] + 32 * p));
+      const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      HM_UNROLL for (int j = 0; j < MT; ++j) {
+        const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + 64 * p));
+        const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + 64 * p + 32));
+        const __m256i d = pair_dot<V>(lo, hi, xlo, xhi);
+        if (p % 2 == 0) first[j] = d;
+        else half[p / 2][j] = fold_pairs<V>(first[j], d);
       }
     }
-  }
-  for (int i = 0; i < R; ++i) {
     const __m256 ws = oct_weight_scales<ST>(srow[i]);
-    for (int j = 0; j < MT; ++j) {
-      __m256i sums = fold_pairs<V>(half[0][i][j], half[1][i][j]);
+    HM_UNROLL for (int j = 0; j < MT; ++j) {
+      __m256i sums = fold_pairs<V>(half[0][j], half[1][j]);
       if constexpr (V::kPairSums16) sums = V::widen_pairs(sums);
       const __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(t[j]));
       acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), c, acc[i][j]);
@@ -259,20 +274,16 @@ HM_TILE_INLINE void int4_oct_tile(const uint8_t* const* rowp, const uint16_t* co
     for (int j = 0; j < MT; ++j) xp[j] = xq[j] + 256 * o, t[j] = tables[j] + o * kOctFloats;
     int4_oct_step<V, ST, R, MT>(w, s, xp, t, acc);
   }
-  if (full < o1) {  // a last partial oct: its groups beside zeros
+  if (full < o1) {  // a last partial oct: its groups beside zeros (the activations are zero-padded already)
     const I64 left = groups - 8 * full;
     alignas(32) uint8_t wpad[R][128] = {};
-    alignas(32) int8_t xpad[MT][256] = {};
     alignas(16) uint16_t spad[R][8] = {};
     for (int i = 0; i < R; ++i) {
       std::memcpy(wpad[i], rowp[i] + 128 * full, static_cast<size_t>(16 * left));
       std::memcpy(spad[i], srow[i] + 8 * full, static_cast<size_t>(2 * left));
       w[i] = wpad[i], s[i] = spad[i];
     }
-    for (int j = 0; j < MT; ++j) {
-      std::memcpy(xpad[j], xq[j] + 256 * full, static_cast<size_t>(32 * left));
-      xp[j] = xpad[j], t[j] = tables[j] + full * kOctFloats;
-    }
+    for (int j = 0; j < MT; ++j) xp[j] = xq[j] + 256 * full, t[j] = tables[j] + full * kOctFloats;
     int4_oct_step<V, ST, R, MT>(w, s, xp, t, acc);
   }
   for (int i = 0; i < R; ++i)
@@ -285,8 +296,9 @@ template <class V, ScaleType ST, NextRows P>
 void matmul_int4_g32(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
   const I64 M = x.m, groups = w.padded_cols / 32, octs = (groups + 7) / 8;
   const I64 oc = gemm ? kGemmChunkK / 256 : octs;
-  const float* tables = oct_tables(x, groups);
-  auto table = [&](I64 m) { return tables + m * octs * kOctFloats; };
+  const OctActivations acts = oct_activations(x, groups);
+  auto table = [&](I64 m) { return acts.tables + m * octs * kOctFloats; };
+  auto q_pairs = [&](I64 m) { return acts.q + m * acts.ldq; };
   for (I64 o0 = 0; o0 < octs; o0 += oc) {
     const I64 o1 = imin(o0 + oc, octs);
     const bool first = o0 == 0;
@@ -295,7 +307,7 @@ void matmul_int4_g32(const Matrix& w, I64 r0, I64 r1, const Activations& x, floa
       const I64 row0 = r - r0;
       I64 m = 0;
       for (; m + 2 <= M; m += 2) {
-        const int8_t* xq[2] = {q_row(x, m), q_row(x, m + 1)};
+        const int8_t* xq[2] = {q_pairs(m), q_pairs(m + 1)};
         const float* t[2] = {table(m), table(m + 1)};
         for (int i = 0; i < 4; i += 2) {
           float o[2][2];
@@ -305,7 +317,7 @@ void matmul_int4_g32(const Matrix& w, I64 r0, I64 r1, const Activations& x, floa
         }
       }
       if (m < M) {
-        const int8_t* xq[1] = {q_row(x, m)};
+        const int8_t* xq[1] = {q_pairs(m)};
         const float* t[1] = {table(m)};
         float o[4][1];
         int4_oct_tile<V, ST, 4, 1, P>(tile.rowp, tile.srow, o0, o1, groups, xq, t, o, m == 0 ? tile.next : nullptr);

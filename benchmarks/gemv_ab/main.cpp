@@ -6,7 +6,8 @@
 // Prints per token count: GB/s of weights of base and work (median of 7 rounds), work / base, a plain
 // sequential read of the same memory in GB/s, and the largest relative difference between the two outputs.
 // The matrices rotate over ~400 MB (HM_AB_POOL_BYTES overrides), so rows come from memory; fp8 codes are
-// normal (no subnormal, no NaN), block scales 128 x 128; int scales bf16 per group of 128 (int4 and int8).
+// normal (no subnormal, no NaN), block scales 128 x 128; int scales bf16 per group of 128 (int4 and int8;
+// HM_AB_INT_GROUP=32 for groups of 32).
 // HM_AB_HUGE_PAGES=1 puts the matrices on transparent huge pages (2 MB-aligned, madvise), as the kernels' own
 // copies of the experts are.
 #include <sys/mman.h>
@@ -60,7 +61,13 @@ int main(int argc, char** argv) {
   }
   const char* pool_env = std::getenv("HM_AB_POOL_BYTES");
   const long pool = pool_env ? std::atol(pool_env) : 400L << 20;
-  const long group = 128, row_bytes = fmt == "bf16" ? 2 * K : fmt == "int4" ? K / 2 : K;
+  const char* group_env = std::getenv("HM_AB_INT_GROUP");
+  const long group = group_env ? std::atol(group_env) : 128;
+  if (group != 32 && group != 128) {
+    std::fprintf(stderr, "HM_AB_INT_GROUP must be 32 or 128\n");
+    return 2;
+  }
+  const long row_bytes = fmt == "bf16" ? 2 * K : fmt == "int4" ? K / 2 : K;
   const long copies = std::max(2L, pool / (N * row_bytes));
   const char* huge_env = std::getenv("HM_AB_HUGE_PAGES");
   const bool huge = huge_env && std::string(huge_env) == "1";
@@ -121,7 +128,7 @@ int main(int argc, char** argv) {
     }
   }
 
-  // activations in [-1, 1], and (int formats) their int8 copy per group of 128, quantised as the MoE driver does
+  // activations in [-1, 1], and (int formats) their int8 copy per group, quantised as the MoE driver does
   std::vector<float> x(max_tokens * K), qscale(max_tokens * (K / group)), qsum(max_tokens * (K / group));
   std::vector<int8_t> q(max_tokens * K);
   for (float& v : x) v = static_cast<float>(static_cast<int>(gen() % 2001) - 1000) * 1e-3f;

@@ -1,6 +1,7 @@
 """benchmarks/gemv_ab.sh compiles a git ref's kernel headers beside the working tree's and times both: with HEAD
 as the base and csrc/ unchanged, the two sides must compute the same outputs bit for bit, with the matrices on
-4 KB or (HM_AB_HUGE_PAGES=1) huge pages."""
+4 KB or (HM_AB_HUGE_PAGES=1) huge pages, and for int formats with scale groups of 128 or (HM_AB_INT_GROUP=32)
+32."""
 
 from __future__ import annotations
 
@@ -22,20 +23,21 @@ def _git(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("huge_pages", ["0", "1"])
-def test_gemv_ab_times_head_against_the_working_tree(huge_pages):
+@pytest.mark.parametrize("fmt,env", [("fp8", {"HM_AB_HUGE_PAGES": "0"}), ("fp8", {"HM_AB_HUGE_PAGES": "1"}),
+                                     ("int4", {"HM_AB_INT_GROUP": "32"})])
+def test_gemv_ab_times_head_against_the_working_tree(fmt, env):
     if shutil.which("git") is None or _git("rev-parse", "HEAD").returncode != 0:
         pytest.skip("not a git checkout")
     if "avx2" not in isa.available_isas():
         pytest.skip("the harness needs AVX2")
-    result = subprocess.run(["bash", str(SCRIPT), "--isa", "avx2", "fp8", "64", "256", "1", "5"],
+    result = subprocess.run(["bash", str(SCRIPT), "--isa", "avx2", fmt, "64", "256", "1", "5"],
                             capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "HM_AB_POOL_BYTES": "2000000", "HM_AB_HUGE_PAGES": huge_pages})
+                            env={**os.environ, "HM_AB_POOL_BYTES": "2000000", **env})
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("base ") and "ISA avx2" in lines[0]
     rows = [line.split() for line in lines[2:]]
-    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("fp8", "64", "256", "1"), ("fp8", "64", "256", "5")]
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [(fmt, "64", "256", "1"), (fmt, "64", "256", "5")]
     for r in rows:
         assert float(r[4]) > 0 and float(r[5]) > 0 and r[6].endswith("x") and float(r[7]) > 0
     if not _git("status", "--porcelain", "--", "csrc").stdout.strip():  # HEAD's headers are the working tree's
@@ -46,3 +48,6 @@ def test_gemv_ab_rejects_bad_arguments():
     result = subprocess.run(["bash", str(SCRIPT), "--isa", "sse2", "fp8", "64", "256", "1"], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2 and "--isa must be" in result.stderr
+    result = subprocess.run(["bash", str(SCRIPT), "int4", "64", "256", "1"], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "HM_AB_INT_GROUP": "64"})
+    assert result.returncode == 2 and "HM_AB_INT_GROUP must be 32 or 128" in result.stderr
