@@ -224,8 +224,8 @@ HM_TILE_INLINE __m256i fold_pairs(__m256i a, __m256i b) {
 
 // acc[i][j] += one oct of R rows (128 bytes at wrow[i], eight scales at srow[i]) times MT tokens (256 int8
 // activations in pair order at xq[j], their oct table at t[j]). Row by row, pair by pair, so that few vectors are
-// live at once (AVX2's 16 registers held the whole tile's pair sums before, and spilled), the activations read
-// as memory operands.
+// live at once (the whole tile's pair sums, live together before, outgrew AVX2's 16 registers), the activations
+// loaded as they are.
 template <class V, ScaleType ST, int R, int MT>
 HM_TILE_INLINE void int4_oct_step(const uint8_t* const* wrow, const uint16_t* const* srow, const int8_t* const* xq,
                                   const float* const* t, __m256 (&acc)[R][MT]) {
