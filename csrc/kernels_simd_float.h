@@ -349,15 +349,16 @@ inline void transpose_chunk(const float* const* xrows, I64 M, I64 k0, I64 n, flo
 }
 
 // Outer-product register tile: out[i][j] = sum over k < n of panel[i][k] * xt[k][j] for MR rows and NV * W
-// tokens; each step broadcasts MR weights and loads NV token vectors for MR * NV FMAs (no horizontal sums).
+// tokens (carry: added to what out holds, the earlier chunks' sums); each step broadcasts MR weights and loads NV
+// token vectors for MR * NV FMAs (no horizontal sums).
 // Not inlined: its 12 accumulators need every vector register, which the caller's live values would take.
 template <class V, int MR, int NV>
 __attribute__((noinline)) void outer_tile(const float* panel, I64 panel_ld, const float* xt, I64 xt_ld, I64 n,
-                       float (&out)[MR][NV * V::W]) {
+                       float (&out)[MR][NV * V::W], bool carry) {
   constexpr int W = V::W;
   typename V::F acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = V::zero();
+    for (int v = 0; v < NV; ++v) acc[i][v] = carry ? V::load(out[i] + v * W) : V::zero();
   for (I64 k = 0; k < n; ++k) {
     typename V::F xv[NV];
     for (int v = 0; v < NV; ++v) xv[v] = V::load(xt + k * xt_ld + v * W);
@@ -380,13 +381,24 @@ inline void store_outer(float* y, I64 ldy, I64 m0, I64 tokens, I64 row0, I64 val
   }
 }
 
-// One block of up to NV * W tokens of an outer-product tile, stored into y.
+// Where a panel tile's outer-product sums go. Chunk by chunk (sums == nullptr): each chunk's sums into y, stored
+// at the first chunk (first) and added after. Rows-outer (a tile's chunks one after another): kept in sums (8
+// rows x ld floats, the tile's own) from chunk to chunk, in registers within one, and stored into y once, after
+// the last chunk (last): y is written once per tile rather than read and written for every 256 columns.
+struct OuterSums {
+  float* sums;
+  bool first, last;
+};
+
+// One block of up to NV * W tokens of an outer-product tile (rows from row0, tokens from m0), per `to`.
 template <class V, int MR, int NV>
 inline void outer_block(const float* tile, I64 tile_ld, const float* xt, I64 xt_ld, I64 n, float* y, I64 ldy,
-                        I64 m0, I64 tokens, I64 row0, I64 valid, bool first) {
-  float out[MR][NV * V::W];
-  outer_tile<V, MR, NV>(tile, tile_ld, xt + m0, xt_ld, n, out);
-  store_outer<MR, NV * V::W>(y, ldy, m0, tokens, row0, valid, first, out);
+                        I64 m0, I64 tokens, I64 row0, I64 valid, OuterSums to, float* sums_at) {
+  using Out = float[MR][NV * V::W];
+  float local[MR][NV * V::W];
+  Out& out = to.sums ? *reinterpret_cast<Out*>(sums_at) : local;
+  outer_tile<V, MR, NV>(tile, tile_ld, xt + m0, xt_ld, n, out, to.sums && !to.first);
+  if (!to.sums || to.last) store_outer<MR, NV * V::W>(y, ldy, m0, tokens, row0, valid, to.sums || to.first, out);
 }
 
 constexpr int kOuterRows = 4;        // rows per outer-product tile (4 rows x 3 vectors of tokens = 12 accumulators)
@@ -400,7 +412,8 @@ constexpr I64 kWholeKBytes = 512 << 10;  // x^T of the whole K up to this size (
 // (nullptr: none), `prefetch_rows` rows of w.row_bytes stride, n * B bytes each.
 template <class V, WFormat F>
 inline void panel_tile(const Matrix& w, I64 r, I64 valid, I64 k0, I64 n, float* panel, I64 panel_ld, const float* xt,
-                       I64 xt_ld, I64 M, float* y, I64 ldy, I64 row0, const uint8_t* prefetch, I64 prefetch_rows) {
+                       I64 xt_ld, I64 M, float* y, I64 ldy, I64 row0, OuterSums to, const uint8_t* prefetch,
+                       I64 prefetch_rows) {
   constexpr int W = V::W, MR = kPanelRows;
   constexpr I64 B = bytes_per_weight<F>();
   for (I64 i = 0; prefetch && i < prefetch_rows; ++i)
@@ -443,9 +456,8 @@ inline void panel_tile(const Matrix& w, I64 r, I64 valid, I64 k0, I64 n, float* 
       }
     }
   }
-  const bool first = k0 == 0;
   if (M <= W) {  // one vector of tokens: all 8 rows in one tile, so that 8 FMA chains are in flight
-    outer_block<V, MR, 1>(tile, tile_ld, xt, xt_ld, n, y, ldy, 0, M, row0, valid, first);
+    outer_block<V, MR, 1>(tile, tile_ld, xt, xt_ld, n, y, ldy, 0, M, row0, valid, to, to.sums);
     return;
   }
   for (int h = 0; h < MR && h < valid; h += kOuterRows) {  // two 4-row halves
@@ -453,12 +465,13 @@ inline void panel_tile(const Matrix& w, I64 r, I64 valid, I64 k0, I64 n, float* 
     const I64 hvalid = imin(kOuterRows, valid - h);
     for (I64 m0 = 0; m0 < M; m0 += 3 * W) {  // blocks of 3 vectors; the last one as few vectors as it needs
       const I64 tokens = imin(3 * W, M - m0);
+      float* sums_at = to.sums ? to.sums + h * xt_ld + m0 * kOuterRows : nullptr;  // the block's [4][<= 3W]
       if (tokens > 2 * W)
-        outer_block<V, kOuterRows, 3>(half, tile_ld, xt, xt_ld, n, y, ldy, m0, tokens, row0 + h, hvalid, first);
+        outer_block<V, kOuterRows, 3>(half, tile_ld, xt, xt_ld, n, y, ldy, m0, tokens, row0 + h, hvalid, to, sums_at);
       else if (tokens > W)
-        outer_block<V, kOuterRows, 2>(half, tile_ld, xt, xt_ld, n, y, ldy, m0, tokens, row0 + h, hvalid, first);
+        outer_block<V, kOuterRows, 2>(half, tile_ld, xt, xt_ld, n, y, ldy, m0, tokens, row0 + h, hvalid, to, sums_at);
       else
-        outer_block<V, kOuterRows, 1>(half, tile_ld, xt, xt_ld, n, y, ldy, m0, tokens, row0 + h, hvalid, first);
+        outer_block<V, kOuterRows, 1>(half, tile_ld, xt, xt_ld, n, y, ldy, m0, tokens, row0 + h, hvalid, to, sums_at);
     }
   }
 }
@@ -478,8 +491,9 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
   const I64 panel_ld = (kc + W - 1) / W * W, xt_ld = (M + W - 1) / W * W;
   const bool rows_outer = K * xt_ld * 4 <= kWholeKBytes;
   const I64 xt_rows = rows_outer ? K : kc;
-  float* panel = scratch_floats(MR * panel_ld + xt_rows * xt_ld);
+  float* panel = scratch_floats(MR * panel_ld + xt_rows * xt_ld + (rows_outer ? MR * xt_ld : 0));
   float* xt = panel + MR * panel_ld;
+  float* sums = rows_outer ? xt + xt_rows * xt_ld : nullptr;  // a tile's outer-product sums across its chunks
   const float** xrows = scratch_pointers(M);
   for (I64 m = 0; m < M; ++m) xrows[m] = x_row(x, m);
   const bool prefetch = F != WFormat::F32;
@@ -493,7 +507,8 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
         if (pk >= K) pr += MR, pk -= (K + kc - 1) / kc * kc;
         const bool ahead = prefetch && pr < r1 && pk + kc <= K;
         panel_tile<V, F>(w, r, valid, k0, imin(kc, K - k0), panel, panel_ld, xt + k0 * xt_ld, xt_ld, M, y, ldy,
-                         r - r0, ahead ? w.data + pr * w.row_bytes + pk * B : nullptr, imin(MR, r1 - pr));
+                         r - r0, OuterSums{sums, k0 == 0, k0 + kc >= K},
+                         ahead ? w.data + pr * w.row_bytes + pk * B : nullptr, imin(MR, r1 - pr));
       }
     }
   } else {
@@ -503,6 +518,7 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
       for (I64 r = r0; r < r1; r += MR) {
         const I64 pr = r + 2 * MR;  // the chunk of the tile after next streams in while this one computes
         panel_tile<V, F>(w, r, imin(MR, r1 - r), k0, n, panel, panel_ld, xt, xt_ld, M, y, ldy, r - r0,
+                         OuterSums{nullptr, k0 == 0, false},
                          prefetch && pr < r1 ? w.data + pr * w.row_bytes + k0 * B : nullptr, imin(MR, r1 - pr));
       }
     }
