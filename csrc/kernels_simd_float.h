@@ -408,8 +408,8 @@ constexpr I64 kWholeKBytes = 512 << 10;  // x^T of the whole K up to this size (
 
 // One panel tile of the GEMM path: rows [r, r + valid) of W over K chunk [k0, k0 + n), decoded once (scales
 // applied) into a float32 panel (float32 weights are read in place), times x^T of the chunk (xt: n rows of
-// xt_ld tokens) as outer products, stored (k0 == 0) or added into y. prefetch: the chunk to fetch meanwhile
-// (nullptr: none), `prefetch_rows` rows of w.row_bytes stride, n * B bytes each.
+// xt_ld tokens) as outer products, into y or the tile's running sums (OuterSums). prefetch: the chunk to fetch
+// meanwhile (nullptr: none), `prefetch_rows` rows of w.row_bytes stride, n * B bytes each.
 template <class V, WFormat F>
 inline void panel_tile(const Matrix& w, I64 r, I64 valid, I64 k0, I64 n, float* panel, I64 panel_ld, const float* xt,
                        I64 xt_ld, I64 M, float* y, I64 ldy, I64 row0, OuterSums to, const uint8_t* prefetch,
