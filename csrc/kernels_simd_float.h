@@ -401,6 +401,38 @@ inline void outer_block(const float* tile, I64 tile_ld, const float* xt, I64 xt_
   if (!to.sums || to.last) store_outer<MR, NV * V::W>(y, ldy, m0, tokens, row0, valid, to.sums || to.first, out);
 }
 
+// Tokens of a GEMM panel's M that go through dot_block rather than the outer-product blocks of up to 3 vectors
+// of W tokens: the last block's tokens where they are at most kMaxDotTokens (they would fill a one-vector
+// block alone), or 1-3 past two vectors (the 3-vector block becomes a 2-vector one); never so that a one-vector
+// block is left. Measured 2026-12-01 (Zen 3, AVX2, one thread, fp8 rows from memory, gemv_ab, tokens = blocks +
+// dot): 24 + 1 1.37-1.54x, 24 + 4-5 1.16-1.42x, 16 + 1-3 0.98-1.22x; not taken: 16 + 4 0.86-0.98x, 16 + 5
+// 0.92-1.14x, 24 + 8 + 1 (a one-vector block left) 0.90-0.94x.
+constexpr I64 kMaxDotTokens = 5;
+inline I64 dot_block_tokens(I64 M, I64 W) {
+  if (M <= W) return 0;
+  const I64 rest = M % (3 * W);
+  if (rest <= kMaxDotTokens) return rest;
+  return rest > 2 * W && rest - 2 * W <= 3 ? rest - 2 * W : 0;
+}
+
+// The last few tokens (dot_block_tokens) of a GEMM panel's 4-row half [m0, m0 + tokens) by the GEMV's dot-product tile over
+// the decoded rows (vectors along K; xrows: the tokens' activations), stored into y (first) or added: in an
+// outer-product tile they would fill a whole vector of tokens, mostly padding.
+template <class V>
+inline void dot_block(const float* half, I64 tile_ld, const float* const* xrows, I64 k0, I64 n, I64 m0, I64 tokens,
+                      float* y, I64 ldy, I64 row0, I64 valid, bool first) {
+  const uint8_t* rowp[4];
+  for (int i = 0; i < 4; ++i) rowp[i] = reinterpret_cast<const uint8_t*>(half + i * tile_ld);
+  const float* xr[kMaxDotTokens];
+  for (I64 j = 0; j < tokens; ++j) xr[j] = xrows[m0 + j] + k0;
+  for_each_token_tile(tokens, [&](auto tile, I64 m) HM_TILE_LAMBDA {
+    constexpr int MT = decltype(tile)::kTokens;
+    float out[4][MT];
+    fp_tile<V, WFormat::F32, 4, MT, NextRows::LinearL1>(rowp, n, xr + m, out, nullptr);
+    store_tile<4, MT>(y, ldy, m0 + m, row0, valid, first, out);
+  });
+}
+
 constexpr int kOuterRows = 4;        // rows per outer-product tile (4 rows x 3 vectors of tokens = 12 accumulators)
 constexpr int kPanelRows = 8;        // rows decoded per panel: one 8 x 1-vector tile, or two 4-row halves
 constexpr I64 kOuterChunkK = 256;    // K per chunk: the tile's panel stays in L1
@@ -412,8 +444,8 @@ constexpr I64 kWholeKBytes = 512 << 10;  // x^T of the whole K up to this size (
 // meanwhile (nullptr: none), `prefetch_rows` rows of w.row_bytes stride, n * B bytes each.
 template <class V, WFormat F>
 inline void panel_tile(const Matrix& w, I64 r, I64 valid, I64 k0, I64 n, float* panel, I64 panel_ld, const float* xt,
-                       I64 xt_ld, I64 M, float* y, I64 ldy, I64 row0, OuterSums to, const uint8_t* prefetch,
-                       I64 prefetch_rows) {
+                       I64 xt_ld, const float* const* xrows, I64 M, float* y, I64 ldy, I64 row0, OuterSums to,
+                       const uint8_t* prefetch, I64 prefetch_rows) {
   constexpr int W = V::W, MR = kPanelRows;
   constexpr I64 B = bytes_per_weight<F>();
   for (I64 i = 0; prefetch && i < prefetch_rows; ++i)
@@ -460,11 +492,16 @@ inline void panel_tile(const Matrix& w, I64 r, I64 valid, I64 k0, I64 n, float* 
     outer_block<V, MR, 1>(tile, tile_ld, xt, xt_ld, n, y, ldy, 0, M, row0, valid, to, to.sums);
     return;
   }
+  // the last few tokens past whole vectors by dot products (dot_block_tokens), the others in blocks of 3 vectors
+  // (the last one as few vectors as it needs)
+  const I64 dot_tokens = dot_block_tokens(M, W), outer_tokens = M - dot_tokens;
   for (int h = 0; h < MR && h < valid; h += kOuterRows) {  // two 4-row halves
     const float* half = tile + h * tile_ld;
     const I64 hvalid = imin(kOuterRows, valid - h);
-    for (I64 m0 = 0; m0 < M; m0 += 3 * W) {  // blocks of 3 vectors; the last one as few vectors as it needs
-      const I64 tokens = imin(3 * W, M - m0);
+    if (dot_tokens)
+      dot_block<V>(half, tile_ld, xrows, k0, n, outer_tokens, dot_tokens, y, ldy, row0 + h, hvalid, to.first);
+    for (I64 m0 = 0; m0 < outer_tokens; m0 += 3 * W) {
+      const I64 tokens = imin(3 * W, outer_tokens - m0);
       float* sums_at = to.sums ? to.sums + h * xt_ld + m0 * kOuterRows : nullptr;  // the block's [4][<= 3W]
       if (tokens > 2 * W)
         outer_block<V, kOuterRows, 3>(half, tile_ld, xt, xt_ld, n, y, ldy, m0, tokens, row0 + h, hvalid, to, sums_at);
@@ -506,8 +543,8 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
         I64 pr = r, pk = k0 + 2 * kc;
         if (pk >= K) pr += MR, pk -= (K + kc - 1) / kc * kc;
         const bool ahead = prefetch && pr < r1 && pk + kc <= K;
-        panel_tile<V, F>(w, r, valid, k0, imin(kc, K - k0), panel, panel_ld, xt + k0 * xt_ld, xt_ld, M, y, ldy,
-                         r - r0, OuterSums{sums, k0 == 0, k0 + kc >= K},
+        panel_tile<V, F>(w, r, valid, k0, imin(kc, K - k0), panel, panel_ld, xt + k0 * xt_ld, xt_ld, xrows, M, y,
+                         ldy, r - r0, OuterSums{sums, k0 == 0, k0 + kc >= K},
                          ahead ? w.data + pr * w.row_bytes + pk * B : nullptr, imin(MR, r1 - pr));
       }
     }
@@ -517,7 +554,7 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
       transpose_chunk(xrows, M, k0, n, xt, xt_ld);
       for (I64 r = r0; r < r1; r += MR) {
         const I64 pr = r + 2 * MR;  // the chunk of the tile after next streams in while this one computes
-        panel_tile<V, F>(w, r, imin(MR, r1 - r), k0, n, panel, panel_ld, xt, xt_ld, M, y, ldy, r - r0,
+        panel_tile<V, F>(w, r, imin(MR, r1 - r), k0, n, panel, panel_ld, xt, xt_ld, xrows, M, y, ldy, r - r0,
                          OuterSums{nullptr, k0 == 0, false},
                          prefetch && pr < r1 ? w.data + pr * w.row_bytes + k0 * B : nullptr, imin(MR, r1 - pr));
       }

@@ -88,6 +88,25 @@ def test_gemm_rows_outer_and_chunk_outer_orders(each_isa, fmt):
         _check(matmul(m, x, "gemm"), x, w64)
 
 
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "fp8"])
+def test_gemm_takes_a_few_last_tokens_by_dot_products(each_isa, fmt):
+    """Past whole vectors of tokens, a few last ones go through the GEMV's dot-product tile over the decoded
+    panel (dot_block_tokens): 1-5 after full 3-vector blocks, 1-3 past two vectors (19, 25, 28, 29 on AVX2;
+    35, 49, 53 on AVX-512), next to counts that keep padded outer-product blocks (20, 33); rows-outer with its
+    sums carried across chunks (1100 columns), and chunk by chunk (145 tokens)."""
+    gen = torch.Generator().manual_seed(seed(fmt, "dot tokens", each_isa))
+    rows, cols = 45, 1100
+    if fmt == "fp8":
+        q, s = random_fp8(rows, cols, (128, 128), gen)
+        w64, m = reference.dequantize("fp8", q, s, block=(128, 128)), kernel_matrix("fp8", q, s, block=(128, 128))
+    else:
+        w = torch.randn(rows, cols, generator=gen).to(torch.float32 if fmt == "f32" else torch.bfloat16)
+        w64, m = w.double(), kernel_matrix(fmt, w)
+    for tokens in (19, 20, 25, 28, 29, 33, 35, 49, 53, 145):
+        x = torch.randn(tokens, cols, generator=gen)
+        _check(matmul(m, x, "gemm"), x, w64)
+
+
 def test_fp8_subnormals_decode_exactly(each_isa):
     gen = torch.Generator().manual_seed(7)
     q, s = random_fp8(40, 264, (128, 128), gen, subnormal_only=True)
