@@ -71,18 +71,22 @@ def test_fp8_block_scaled(each_isa, block, path):
             _check(matmul(m, x, path), x, w64, bf16=_bf16(m, path, tokens, "fp8", q, s, block))
 
 
+def _gemm_matrix(fmt: str, rows: int, cols: int, gen: torch.Generator):
+    """A random [rows, cols] matrix in fmt (fp8 with 128 x 128 blocks) -> (float64 weights, kernel matrix)."""
+    if fmt == "fp8":
+        q, s = random_fp8(rows, cols, (128, 128), gen)
+        return reference.dequantize("fp8", q, s, block=(128, 128)), kernel_matrix("fp8", q, s, block=(128, 128))
+    w = torch.randn(rows, cols, generator=gen).to(torch.float32 if fmt == "f32" else torch.bfloat16)
+    return w.double(), kernel_matrix(fmt, w)
+
+
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "fp8"])
 def test_gemm_rows_outer_and_chunk_outer_orders(each_isa, fmt):
     """Few tokens: x^T of the whole K fits L2 and tiles run rows-outer; 130 tokens x 1100 cols (> 512 KB of x^T):
     chunk by chunk over all rows. Both with partial chunks, a partial last row tile and prefetch across tiles."""
     gen = torch.Generator().manual_seed(seed(fmt, "orders", each_isa))
-    rows, cols = 45, 1100
-    if fmt == "fp8":
-        q, s = random_fp8(rows, cols, (128, 128), gen)
-        w64, m = reference.dequantize("fp8", q, s, block=(128, 128)), kernel_matrix("fp8", q, s, block=(128, 128))
-    else:
-        w = torch.randn(rows, cols, generator=gen).to(torch.float32 if fmt == "f32" else torch.bfloat16)
-        w64, m = w.double(), kernel_matrix(fmt, w)
+    cols = 1100
+    w64, m = _gemm_matrix(fmt, 45, cols, gen)
     for tokens in (9, 130):
         x = torch.randn(tokens, cols, generator=gen)
         _check(matmul(m, x, "gemm"), x, w64)
@@ -95,13 +99,8 @@ def test_gemm_takes_a_few_last_tokens_by_dot_products(each_isa, fmt):
     35, 49, 53 on AVX-512), next to counts that keep padded outer-product blocks (20, 33); rows-outer with its
     sums carried across chunks (1100 columns), and chunk by chunk (145 tokens)."""
     gen = torch.Generator().manual_seed(seed(fmt, "dot tokens", each_isa))
-    rows, cols = 45, 1100
-    if fmt == "fp8":
-        q, s = random_fp8(rows, cols, (128, 128), gen)
-        w64, m = reference.dequantize("fp8", q, s, block=(128, 128)), kernel_matrix("fp8", q, s, block=(128, 128))
-    else:
-        w = torch.randn(rows, cols, generator=gen).to(torch.float32 if fmt == "f32" else torch.bfloat16)
-        w64, m = w.double(), kernel_matrix(fmt, w)
+    cols = 1100
+    w64, m = _gemm_matrix(fmt, 45, cols, gen)
     for tokens in (19, 20, 25, 28, 29, 33, 35, 49, 53, 145):
         x = torch.randn(tokens, cols, generator=gen)
         _check(matmul(m, x, "gemm"), x, w64)
