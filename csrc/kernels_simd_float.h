@@ -415,9 +415,9 @@ inline I64 dot_block_tokens(I64 M, I64 W) {
   return rest > 2 * W && rest - 2 * W <= 3 ? rest - 2 * W : 0;
 }
 
-// The last few tokens (dot_block_tokens) of a GEMM panel's 4-row half [m0, m0 + tokens) by the GEMV's dot-product tile over
-// the decoded rows (vectors along K; xrows: the tokens' activations), stored into y (first) or added: in an
-// outer-product tile they would fill a whole vector of tokens, mostly padding.
+// The last few tokens (dot_block_tokens) of a GEMM panel's 4-row half, [m0, m0 + tokens), by the GEMV's
+// dot-product tile over the decoded rows (vectors along K; xrows: the tokens' activations), stored into y (first)
+// or added: in an outer-product tile they would fill a whole vector of tokens, mostly padding.
 template <class V>
 inline void dot_block(const float* half, I64 tile_ld, const float* const* xrows, I64 k0, I64 n, I64 m0, I64 tokens,
                       float* y, I64 ldy, I64 row0, I64 valid, bool first) {
