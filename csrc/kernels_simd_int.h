@@ -148,7 +148,7 @@ inline IntRowTile int_row_tile(const Matrix& w, I64 r, I64 r1, bool gemm, I64 ro
 // eight groups' int32 sums in the order [0, 2, 4, 6, 1, 3, 5, 7] (each int16 lane then sums 16 products of at
 // most 15 x 127: 30,480 < 2^15; with VNNI, dpbusd int32 sums and int32 horizontal adds). The scales follow that
 // order: the weights' eight are shuffled into it in registers, the tokens' and their unsigned-offset correction
-// (-8 qsum) are prepared once per call (oct_tables). Per oct, row and token: 8 maddubs, 4 adds, 3 horizontal
+// (-8 qsum) are prepared once per call (oct_activations). Per oct, row and token: 8 maddubs, 4 adds, 3 horizontal
 // adds, a madd, a convert, a multiply and two FMAs (int_tile: a madd, a convert, a broadcast and an FMA per
 // group, and a scale table rebuilt every 8 groups).
 constexpr I64 kOctFloats = 16;  // per token and oct: its activation scales, then -8 qsum, in the order above
@@ -255,7 +255,8 @@ HM_TILE_INLINE void int4_oct_step(const uint8_t* const* wrow, const uint16_t* co
 }
 
 // out[i][j] = the R rows' dot products with MT tokens over octs [o0, o1) (`groups` in the whole row: a last
-// partial oct goes through zero-padded copies). tables: oct_tables of the MT tokens.
+// partial oct goes through zero-padded copies of the weights and scales). xq, tables: the MT tokens' activations
+// in pair order and oct tables (oct_activations).
 template <class V, ScaleType ST, int R, int MT, NextRows P>
 HM_TILE_INLINE void int4_oct_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 o0, I64 o1, I64 groups,
                                   const int8_t* const* xq, const float* const* tables, float (&out)[R][MT],
