@@ -62,14 +62,12 @@ inline bool scale_activations_bf16(const Matrix& w, const float* srow, const Act
 // One step of the bf16 dot-product GEMV: L = 2W weights of format F decoded to bf16, multiplied by bf16
 // activations into W float32 lanes (V::dot_b).
 template <class V, WFormat F>
-struct DotStep {
+struct DotStep : FloatAccumulators<V> {
+  using typename FloatAccumulators<V>::Acc;
   static constexpr int kLanes = 2 * V::W;
   static constexpr I64 kBytes = bytes_per_weight<F>();
   using X = uint16_t;
-  using Acc = typename V::F;
   using Weights = typename V::B;
-  static HM_TILE_INLINE Acc zero() { return V::zero(); }
-  static HM_TILE_INLINE Acc add(Acc a, Acc b) { return V::add(a, b); }
   static HM_TILE_INLINE Weights weights(const uint8_t* p) { return decode_b<V, F>(p); }
   static HM_TILE_INLINE Acc multiply_add(Acc acc, Weights w, const uint16_t* x) {
     return V::dot_b(acc, w, V::load_b(x));

@@ -56,16 +56,22 @@ HM_TILE_INLINE void accumulate_steps(const uint8_t* const* rowp, I64 k0, I64 k1,
   }
 }
 
+// The float32 accumulators of a GEMV step (FmaStep, DotStep): W lanes, zeroed and summed as V's vectors.
+template <class V>
+struct FloatAccumulators {
+  using Acc = typename V::F;
+  static HM_TILE_INLINE Acc zero() { return V::zero(); }
+  static HM_TILE_INLINE Acc add(Acc a, Acc b) { return V::add(a, b); }
+};
+
 // One step of the float32 GEMV: W weights of format F decoded to float32, FMA'd against float32 activations.
 template <class V, WFormat F>
-struct FmaStep {
+struct FmaStep : FloatAccumulators<V> {
+  using typename FloatAccumulators<V>::Acc;
   static constexpr int kLanes = V::W;
   static constexpr I64 kBytes = bytes_per_weight<F>();
   using X = float;
-  using Acc = typename V::F;
   using Weights = typename V::F;
-  static HM_TILE_INLINE Acc zero() { return V::zero(); }
-  static HM_TILE_INLINE Acc add(Acc a, Acc b) { return V::add(a, b); }
   static HM_TILE_INLINE Weights weights(const uint8_t* p) { return decode<V, F>(p); }
   static HM_TILE_INLINE Acc multiply_add(Acc acc, Weights w, const float* x) { return V::fma(w, V::load(x), acc); }
 };
