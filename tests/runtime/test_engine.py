@@ -73,7 +73,8 @@ def test_text_prompts_chat_and_stop_strings(model_dir):
 def test_bad_requests_fail_alone_with_clear_errors(model_dir):
     engine = LLMEngine(model_dir, EngineConfig(dtype="float32", max_model_len=64))
     good = engine.add_request(_prompts()[0], GREEDY)
-    with pytest.raises(ValueError, match="too long"):
+    with pytest.raises(ValueError, match=r"too long: 60 tokens \+ max_tokens 12 > max_model_len 64 \(set by "
+                                         r"EngineConfig.max_model_len\)"):
         engine.add_request(list(range(6, 66)), GREEDY)
     with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 320\)"):
         engine.add_request([1, 2, 100000], GREEDY)
@@ -84,6 +85,19 @@ def test_bad_requests_fail_alone_with_clear_errors(model_dir):
         outputs += engine.step()
     finished = [o for o in outputs if o.finished]
     assert [o.req_id for o in finished] == [good] and len(finished[0].token_ids) == 12
+
+
+def test_a_too_long_prompt_is_told_what_limits_it(model_dir):
+    kv_bytes = LLMEngine(model_dir, EngineConfig(dtype="float32")).model.kv_bytes_per_token() * 4 * 5
+    small_cache = LLMEngine(model_dir, EngineConfig(dtype="float32", block_size=4, kv_cache_gb=kv_bytes / 2**30))
+    assert small_cache.max_model_len == 20
+    with pytest.raises(ValueError, match=r"> max_model_len 20 \(set by the KV cache: kv_cache_gb=.* holds 20 tokens\)"):
+        small_cache.add_request(list(range(6, 16)), GREEDY)
+    default = LLMEngine(model_dir, EngineConfig(dtype="float32"))
+    limit = default.model_config.max_position_embeddings
+    assert default.max_model_len == limit
+    with pytest.raises(ValueError, match=rf"> max_model_len {limit} \(the model's max_position_embeddings\)"):
+        default.add_request([6] * limit, GREEDY)
 
 
 def test_a_failing_step_ends_its_requests_and_the_engine_keeps_serving(model_dir, monkeypatch):

@@ -64,10 +64,15 @@ class LLMEngine:
                                 config=self.model_config, show_progress=show_progress)
         num_blocks = ModelRunner.blocks_for_memory(self.model, int(cfg.kv_cache_gb * 2**30), cfg.block_size)
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
-        self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
-                                 num_blocks * cfg.block_size)
+        wanted = cfg.max_model_len or self.model_config.max_position_embeddings
+        cache_tokens = num_blocks * cfg.block_size
+        self.max_model_len = min(wanted, cache_tokens)
+        source = (f"set by the KV cache: kv_cache_gb={cfg.kv_cache_gb:g} holds {cache_tokens} tokens"
+                  if cache_tokens < wanted else
+                  "set by EngineConfig.max_model_len" if cfg.max_model_len else
+                  "the model's max_position_embeddings")
         self.scheduler = Scheduler(BlockManager(num_blocks, cfg.block_size), cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens, self.max_model_len)
+                                   cfg.max_num_batched_tokens, self.max_model_len, source)
         self.sampler = Sampler()
         self._ids = itertools.count()
         self._states: dict[str, _RequestState] = {}

@@ -58,8 +58,10 @@ class _Step:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+        max_model_len_source: str = "",
     ) -> None:
+        """max_model_len_source: what sets max_model_len, named in the error of a request that exceeds it."""
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -71,6 +73,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_model_len_source = max_model_len_source
         self.waiting: deque[Request] = deque()  # oldest first; preempted requests rejoin at the front
         self.running: list[Request] = []  # oldest first (admission order == arrival order)
         self._unfinished: dict[str, Request] = {}
@@ -93,6 +96,7 @@ class Scheduler:
             raise ValueError(
                 f"request {req_id!r}: prompt too long: {num_prompt} tokens + max_tokens {max_tokens} > "
                 f"max_model_len {self.max_model_len}"
+                + (f" ({self.max_model_len_source})" if self.max_model_len_source else "")
             )
         blocks = self.block_manager.blocks_needed(num_prompt)
         if blocks > self.block_manager.num_blocks:
