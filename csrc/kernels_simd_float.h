@@ -82,18 +82,18 @@ HM_TILE_INLINE void accumulate(const uint8_t* const* rowp, I64 k0, I64 k1, const
   accumulate_steps<FmaStep<V, F>, R, MT, P>(rowp, k0, k1, xr, acc, next, stride);
 }
 
-// Zeroes a tile's accumulators, or (finish) writes their horizontal sums to out: four rows at a time where the
-// tile has them (V::hsum4).
+// Zeroes a tile's accumulators, or (finish) writes their horizontal sums to out: the rows of a 3- or 4-row tile
+// together (V::hsum4; a 3-row tile's fourth sum is of zeros).
 template <class V, int R, int MT>
 HM_TILE_INLINE void zero_and_finish(typename V::F (&acc)[R][MT], float (*out)[MT], bool finish) {
   if (!finish) {
     HM_UNROLL for (int i = 0; i < R; ++i)
       HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = V::zero();
-  } else if constexpr (R == 4) {
+  } else if constexpr (R == 3 || R == 4) {
     HM_UNROLL for (int j = 0; j < MT; ++j) {
       alignas(16) float sums[4];
-      _mm_store_ps(sums, V::hsum4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]));
-      HM_UNROLL for (int i = 0; i < 4; ++i) out[i][j] = sums[i];
+      _mm_store_ps(sums, V::hsum4(acc[0][j], acc[1][j], acc[2][j], R == 4 ? acc[R - 1][j] : V::zero()));
+      HM_UNROLL for (int i = 0; i < R; ++i) out[i][j] = sums[i];
     }
   } else {
     HM_UNROLL for (int i = 0; i < R; ++i)
@@ -152,47 +152,71 @@ HM_TILE_INLINE void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_row
     }
 }
 
-// The token tiles of a 4-row GEMV tile: fn(TokenTile<MT>{}, m) for tiles of MT tokens from token m, three at a
-// time (12 FMA chains; each weight vector is decoded once per token tile, so wider tiles decode less), two
-// where three would leave a single token behind.
+// The token tiles of an R-row GEMV tile: fn(TokenTile<MT>{}, m) for tiles of MT tokens from token m. Each weight
+// vector is decoded once per token tile, so wider tiles decode less; a tile keeps R x MT accumulators (12 FMA
+// chains at most). 4-row tiles take tokens three at a time, two where three would leave a single token behind;
+// 3-row tiles four at a time, then 3 + 2 for five left, else what is left.
 template <int MT>
 struct TokenTile {
   static constexpr int kTokens = MT;
 };
-template <class Fn>
+template <int R, class Fn>
 HM_TILE_INLINE void for_each_token_tile(I64 M, Fn&& fn) {
+  static_assert(R == 3 || R == 4, "GEMV tiles have 3 or 4 rows");
   for (I64 m = 0; m < M;) {
     const I64 left = M - m;
-    if (left == 4 || left == 2) fn(TokenTile<2>{}, m), m += 2;
-    else if (left >= 3) fn(TokenTile<3>{}, m), m += 3;
-    else fn(TokenTile<1>{}, m), m += 1;
+    if constexpr (R == 3) {
+      if (left >= 4 && left != 5) fn(TokenTile<4>{}, m), m += 4;
+      else if (left >= 3) fn(TokenTile<3>{}, m), m += 3;
+      else if (left == 2) fn(TokenTile<2>{}, m), m += 2;
+      else fn(TokenTile<1>{}, m), m += 1;
+    } else {
+      if (left == 4 || left == 2) fn(TokenTile<2>{}, m), m += 2;
+      else if (left >= 3) fn(TokenTile<3>{}, m), m += 3;
+      else fn(TokenTile<1>{}, m), m += 1;
+    }
   }
 }
 
-// All token tiles of one 4-row tile over whole rows: y rows [row0, row0 + valid) = W4 . x[m].
+// Rows per GEMV tile of vocabulary V for M tokens of format F (rows of row_bytes): 4, except on AVX2 (16 vector
+// registers) for decoded formats at 4 tokens and more that do not split into 3-token tiles evenly (M % 3 != 0,
+// M != 5), which take 3-row x 4-token tiles: the same 12 accumulators, each weight decoded once per 4 tokens
+// instead of per 3 or 2. fp8 rows under kRowStreamMinBytes keep 4-row tiles from 8 tokens. Measured 2026-12-01
+// (Zen 3, one thread, rows from memory, benchmarks/gemv_ab.sh, 3-row / 4-row tiles): fp8 7168-column rows 1.31x
+// at 4 tokens (4 against 2 + 2), 1.15x at 7 (4 + 3 against 3 + 2 + 2), 1.18x at 8, 1.18x at 10, 1.15x at 11,
+// 1.01x at 12; fp8 2048- and 768-column rows 1.27-1.42x at 4, 1.10-1.20x at 7, but 0.90-0.95x at 8, 0.89-0.99x
+// at 10, 0.99-1.00x at 11; bf16 1.49x / 1.14x / 1.12x / 1.04x / 1.01x at 4 / 8 / 16 / 20 / 32 tokens (7168
+// columns), 1.09-1.22x at 4-16 (768 and 2048 columns). Not taken (standalone harness, fp8): 5 tokens
+// (0.96-1.03x), 6 (0.87-0.99x), 9 (0.87-0.97x). float32 weights (no decode to save) keep 4-row tiles.
+template <class V, WFormat F>
+constexpr int gemv_tile_rows(I64 M, I64 row_bytes) {
+  if (V::W != 8 || F == WFormat::F32 || M < 4 || M % 3 == 0 || M == 5) return 4;  // V::W == 8: AVX2 vocabularies
+  return F == WFormat::FP8 && M > 7 && row_bytes < kRowStreamMinBytes ? 4 : 3;
+}
+
+// All token tiles of one R-row tile over whole rows: y rows [row0, row0 + valid) = W_R . x[m].
 // next: the following tile's rows, prefetched while the first token tile reads this one (may be nullptr).
-template <class V, WFormat F, NextRows P>
+template <class V, WFormat F, int R, NextRows P>
 HM_TILE_INLINE void row_tile_all_tokens(const uint8_t* const* rowp, I64 n, const float* const* xrows, I64 M, float* y,
                                         I64 ldy, I64 row0, I64 valid, const uint8_t* next) {
-  for_each_token_tile(M, [&](auto tile, I64 m) HM_TILE_LAMBDA {
+  for_each_token_tile<R>(M, [&](auto tile, I64 m) HM_TILE_LAMBDA {
     constexpr int MT = decltype(tile)::kTokens;
-    float o[4][MT];
-    fp_tile<V, F, 4, MT, P>(rowp, n, xrows + m, o, m == 0 ? next : nullptr);
-    store_tile<4, MT>(y, ldy, m, row0, valid, true, o);
+    float o[R][MT];
+    fp_tile<V, F, R, MT, P>(rowp, n, xrows + m, o, m == 0 ? next : nullptr);
+    store_tile<R, MT>(y, ldy, m, row0, valid, true, o);
   });
 }
 
-// All token tiles of one 4-row fp8 tile (see fp8_tile); rows[i] are the tile's row indices.
-template <class V, NextRows P>
+// All token tiles of one R-row fp8 tile (see fp8_tile); rows[i] are the tile's row indices.
+template <class V, int R, NextRows P>
 HM_TILE_INLINE void fp8_row_tile_all_tokens(const Matrix& w, const uint8_t* const* rowp, const I64* rows,
                                             const float* const* xfast, const float* const* xexact, I64 M, float* y,
                                             I64 ldy, I64 row0, I64 valid, const uint8_t* next) {
-  for_each_token_tile(M, [&](auto tile, I64 m) HM_TILE_LAMBDA {
+  for_each_token_tile<R>(M, [&](auto tile, I64 m) HM_TILE_LAMBDA {
     constexpr int MT = decltype(tile)::kTokens;
-    float o[4][MT];
-    fp8_tile<V, 4, MT, P>(w, rowp, rows, xfast ? xfast + m : nullptr, xexact + m, o,
-                                    m == 0 ? next : nullptr);
-    store_tile<4, MT>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
+    float o[R][MT];
+    fp8_tile<V, R, MT, P>(w, rowp, rows, xfast ? xfast + m : nullptr, xexact + m, o, m == 0 ? next : nullptr);
+    store_tile<R, MT>(y, ldy, m, row0, valid, true, o, kFp8NormalOutput);
   });
 }
 
@@ -261,22 +285,22 @@ inline I64 segment_end(const Matrix& w, I64 r, I64 re) {
 }
 
 
-// GEMV path: whole rows, tiles of 4 rows. fp8 block scales are folded into a copy of the few tokens'
-// activations per row block, so the inner loop is decode + FMA; column blocks without subnormal codes use the
-// 3-operation decode (activations scaled by 2^104 more, outputs by 2^16), the others the exact one (their
+// GEMV path: whole rows, tiles of R rows (gemv_tile_rows). fp8 block scales are folded into a copy of the few
+// tokens' activations per row block, so the inner loop is decode + FMA; column blocks without subnormal codes use
+// the 3-operation decode (activations scaled by 2^104 more, outputs by 2^16), the others the exact one (their
 // activation copy is made when first needed). P: how each tile prefetches the next (NextRows).
-template <class V, WFormat F, NextRows P>
+template <class V, WFormat F, int R, NextRows P>
 void matmul_fp_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
   const I64 K = w.cols, M = x.m;
   const float* xrows[kMaxGemvTokens];
   const float* exact_rows[kMaxGemvTokens] = {};
   for (I64 m = 0; m < M; ++m) xrows[m] = x_row(x, m);
   if constexpr (F != WFormat::FP8) {
-    for (I64 r = r0; r < r1; r += 4) {
-      const uint8_t* rowp[4];
-      for (int i = 0; i < 4; ++i) rowp[i] = w.data + imin(r + i, r1 - 1) * w.row_bytes;  // short tile: repeat
-      const uint8_t* next = next_tile_rows(w, r, r1, 4, K * bytes_per_weight<F>());
-      row_tile_all_tokens<V, F, P>(rowp, K, xrows, M, y, ldy, r - r0, imin(4, r1 - r), next);
+    for (I64 r = r0; r < r1; r += R) {
+      const uint8_t* rowp[R];
+      for (int i = 0; i < R; ++i) rowp[i] = w.data + imin(r + i, r1 - 1) * w.row_bytes;  // short tile: repeat
+      const uint8_t* next = next_tile_rows(w, r, r1, R, K * bytes_per_weight<F>());
+      row_tile_all_tokens<V, F, R, P>(rowp, K, xrows, M, y, ldy, r - r0, imin(R, r1 - r), next);
     }
     return;
   }
@@ -286,11 +310,11 @@ void matmul_fp_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x,
     const float* srow = static_cast<const float*>(w.scales) + (s0 / w.block_rows) * w.scale_stride;
     const bool fast = scale_activations(w, srow, x, kFp8NormalUnscale, scaled, x.ldx, xrows);
     bool exact_ready = false;
-    for (I64 r = s0; r < s1; r += 4) {
-      const uint8_t* rowp[4];
-      I64 rows[4];
+    for (I64 r = s0; r < s1; r += R) {
+      const uint8_t* rowp[R];
+      I64 rows[R];
       uint8_t flags = 0;
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < R; ++i) {
         rows[i] = imin(r + i, s1 - 1);  // a short tile repeats its last row (not stored)
         rowp[i] = w.data + rows[i] * w.row_bytes;
         flags |= w.row_flags[rows[i]];
@@ -300,20 +324,27 @@ void matmul_fp_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x,
         scale_activations(w, srow, x, kFp8ExactUnscale, scaled + M * x.ldx, x.ldx, exact_rows);
         exact_ready = true;
       }
-      const uint8_t* next = next_tile_rows(w, r, r1, 4, K);
-      fp8_row_tile_all_tokens<V, P>(w, rowp, rows, fast ? xrows : nullptr, exact_rows, M, y, ldy,
-                                              r - r0, imin(4, s1 - r), next);
+      const uint8_t* next = next_tile_rows(w, r, r1, R, K);
+      fp8_row_tile_all_tokens<V, R, P>(w, rowp, rows, fast ? xrows : nullptr, exact_rows, M, y, ldy, r - r0,
+                                       imin(R, s1 - r), next);
     }
     s0 = s1;
   }
   set_nan_rows(w, r0, r1, M, y, ldy);
 }
 
+template <class V, WFormat F, int R>
+void matmul_fp_gemv_rows(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
+  with_next_rows<V, Gemv::Float, R>(w.row_bytes, x.m, x.m * w.cols * I64{sizeof(float)}, [&](auto tag) {
+    matmul_fp_gemv_tiles<V, F, R, decltype(tag)::kPolicy>(w, r0, r1, x, y, ldy);
+  });
+}
+
 template <class V, WFormat F>
 void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
-  with_next_rows<V, Gemv::Float, 4>(w.row_bytes, x.m, x.m * w.cols * I64{sizeof(float)}, [&](auto tag) {
-    matmul_fp_gemv_tiles<V, F, decltype(tag)::kPolicy>(w, r0, r1, x, y, ldy);
-  });
+  if constexpr (V::W == 8)
+    if (gemv_tile_rows<V, F>(x.m, w.row_bytes) == 3) return matmul_fp_gemv_rows<V, F, 3>(w, r0, r1, x, y, ldy);
+  matmul_fp_gemv_rows<V, F, 4>(w, r0, r1, x, y, ldy);
 }
 
 // dst[k] = decode(src[k]) * s for k in [kb, ke) (a partial last vector through a zero-padded copy).
@@ -431,7 +462,7 @@ inline void dot_block(const float* half, I64 tile_ld, const float* const* xrows,
   for (int i = 0; i < 4; ++i) rowp[i] = reinterpret_cast<const uint8_t*>(half + i * tile_ld);
   const float* xr[kMaxDotTokens];
   for (I64 j = 0; j < tokens; ++j) xr[j] = xrows[m0 + j] + k0;
-  for_each_token_tile(tokens, [&](auto tile, I64 m) HM_TILE_LAMBDA {
+  for_each_token_tile<4>(tokens, [&](auto tile, I64 m) HM_TILE_LAMBDA {
     constexpr int MT = decltype(tile)::kTokens;
     float out[4][MT];
     fp_tile<V, WFormat::F32, 4, MT, NextRows::LinearL1>(rowp, n, xr + m, out, nullptr);

@@ -14,11 +14,12 @@ from hybridmoe.kernels.weights import kernel_matrix
 from kernel_testing import random_fp8, random_int, seed
 
 SHAPES = [(1, 1), (5, 7), (37, 100), (64, 256), (131, 300)]  # (N rows, K cols)
-# GEMV token tiles of 3, 2 and 1 (3+2, 3+3, 3+2+2); GEMM token blocks of 3 vectors (24 AVX2, 48 AVX-512): 1-3
-# vectors, then more blocks; 70: more than the float GEMV path takes (63), so a forced "gemv" runs the GEMM
-# (the bf16 dot-product GEMV takes as few balanced tiles of up to 6 tokens (AVX-512) or 3 (AVX2) as cover them:
-# 4+3, 5+4, 6+6+5, ...; 3+2, 3+2+2, ...)
-TOKENS = [1, 2, 3, 5, 6, 7, 9, 17, 24, 40, 57, 70]
+# GEMV token tiles of 3, 2 and 1 on 4-row tiles (3+2, 3+3, 3+3+3); on AVX2 3-row tiles of 4 tokens for 4 and
+# from 7 tokens unless a multiple of 3 (4, 4+3, 4+4, 4+4+2, 4+4+4+3+2, ...; gemv_tile_rows); GEMM token blocks of
+# 3 vectors (24 AVX2, 48 AVX-512): 1-3 vectors, then more blocks; 70: more than the float GEMV path takes (63), so
+# a forced "gemv" runs the GEMM (the bf16 dot-product GEMV takes as few balanced tiles of up to 6 tokens
+# (AVX-512) or 3 (AVX2) as cover them: 4+3, 5+4, 6+6+5, ...; 3+2, 3+2+2, ...)
+TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 17, 24, 40, 57, 70]
 MAX_GEMV_TOKENS = 63
 
 
@@ -147,7 +148,8 @@ def test_fp8_blocks_with_and_without_subnormals(each_isa, path):
 def test_gemv_rows_of_3_kb_and_more(each_isa, fmt, cols):
     """Rows of >= 3 KB prefetch the next tile into L2, of >= 4 KB as one stream a row (NextRows); several tiles,
     a short last one, partial last vectors and (fp8) a partial last block and a block with a subnormal code
-    (the exact decode beside the fast one)."""
+    (the exact decode beside the fast one). 4, 8 and 10 tokens: 3-row tiles on AVX2, for fp8 from 8 tokens only
+    with rows of >= 4 KB (gemv_tile_rows)."""
     gen = torch.Generator().manual_seed(seed(fmt, cols, each_isa))
     rows = 21
     if fmt == "fp8":
@@ -160,7 +162,7 @@ def test_gemv_rows_of_3_kb_and_more(each_isa, fmt, cols):
         w = torch.randn(rows, cols, generator=gen).to({"f32": torch.float32, "bf16": torch.bfloat16,
                                                         "f16": torch.float16}[fmt])
         w64, m, bf16 = w.double(), kernel_matrix(fmt, w), (fmt, w, None, (128, 128))
-    for tokens in (1, 2, 3, 5):
+    for tokens in (1, 2, 3, 4, 5, 8, 10):
         x = torch.randn(tokens, cols, generator=gen)
         _check(matmul(m, x, "gemv"), x, w64, bf16=bf16 if _bf16(m, "gemv", tokens, fmt, None) else None)
 
