@@ -188,9 +188,11 @@ HM_TILE_INLINE void for_each_token_tile(I64 M, Fn&& fn) {
 // at 10, 0.99-1.00x at 11; bf16 1.49x / 1.14x / 1.12x / 1.04x / 1.01x at 4 / 8 / 16 / 20 / 32 tokens (7168
 // columns), 1.09-1.22x at 4-16 (768 and 2048 columns). Not taken (standalone harness, fp8): 5 tokens
 // (0.96-1.03x), 6 (0.87-0.99x), 9 (0.87-0.97x). float32 weights (no decode to save) keep 4-row tiles.
+template <class V>
+constexpr bool kThreeRowGemvTiles = V::W == 8;  // the AVX2 vocabularies
 template <class V, WFormat F>
 constexpr int gemv_tile_rows(I64 M, I64 row_bytes) {
-  if (V::W != 8 || F == WFormat::F32 || M < 4 || M % 3 == 0 || M == 5) return 4;  // V::W == 8: AVX2 vocabularies
+  if (!kThreeRowGemvTiles<V> || F == WFormat::F32 || M < 4 || M % 3 == 0 || M == 5) return 4;
   return F == WFormat::FP8 && M > 7 && row_bytes < kRowStreamMinBytes ? 4 : 3;
 }
 
@@ -342,7 +344,7 @@ void matmul_fp_gemv_rows(const Matrix& w, I64 r0, I64 r1, const Activations& x, 
 
 template <class V, WFormat F>
 void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
-  if constexpr (V::W == 8)
+  if constexpr (kThreeRowGemvTiles<V>)  // not instantiated where never taken
     if (gemv_tile_rows<V, F>(x.m, w.row_bytes) == 3) return matmul_fp_gemv_rows<V, F, 3>(w, r0, r1, x, y, ldy);
   matmul_fp_gemv_rows<V, F, 4>(w, r0, r1, x, y, ldy);
 }
