@@ -111,31 +111,77 @@ HM_TILE_INLINE void fp_tile(const uint8_t* const* rowp, I64 n, const float* cons
   zero_and_finish<V, R, MT>(acc, out, true);
 }
 
-// fn(exact, k0, k1) over the columns of an fp8 tile (rows[i], i < R): in the common case, fast and no row of
-// the tile with a subnormal code, once for whole rows (exact = false); otherwise per column block, exact where
-// a row of the tile has a subnormal code in the block, and everywhere when !fast.
+// fn(exact, k0, k1) over the columns of an fp8 tile (rows[i], i < R) in as few ranges as cover them: when !fast,
+// or when no row of the tile has a subnormal code (the common case), one range of whole rows; otherwise maximal
+// runs of column blocks alike, exact where a row of the tile has a subnormal code in the block. With realistic
+// weights (a subnormal code about 1 in 5000) 76% of DeepSeek-V3's 7168-column rows hold one, in 2-3 of their 56
+// blocks: a range per block made one thread's GEMV 0.68x as fast at 8 tokens, 0.5-0.85x at one
+// (benchmarks/gemv_ab.sh with HM_AB_SUBNORMALS=1; "Subnormal codes" in docs/kernels.md).
 template <int R, class Fn>
 HM_TILE_INLINE void for_each_fp8_range(const Matrix& w, const I64* rows, bool fast, Fn&& fn) {
   uint8_t flags = 0;
   for (int i = 0; i < R; ++i) flags |= w.row_flags[rows[i]];
-  if (fast && !(flags & kRowHasSubnormal)) return fn(false, I64{0}, w.cols);
-  for (I64 k0 = 0, kb = 0; k0 < w.cols; k0 += w.block_cols, ++kb) {
-    bool exact = !fast;
-    for (int i = 0; i < R; ++i) exact |= block_has_subnormal(w, rows[i], kb);
-    fn(exact, k0, imin(w.cols, k0 + w.block_cols));
+  const bool one_range = !fast || !(flags & kRowHasSubnormal);
+  const I64 bc = w.block_cols, blocks = (w.cols + bc - 1) / bc, stride = w.subnormal_stride;
+  auto exact_bits = [&](I64 word) {  // bit b: the tile's block 64 * word + b is exact
+    uint64_t bits = 0;
+    const I64 at = 8 * word;
+    const I64 n = imin(8, stride - at);
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* row_bits = w.subnormal_blocks + rows[i] * stride + at;
+      if (n == 8) {
+        uint64_t word_bits;
+        std::memcpy(&word_bits, row_bits, 8);
+        bits |= word_bits;
+      } else {
+        for (I64 b = 0; b < n; ++b) bits |= static_cast<uint64_t>(row_bits[b]) << (8 * b);
+      }
+    }
+    return bits;
+  };
+  bool exact = one_range ? !fast : (exact_bits(0) & 1);
+  for (I64 kb = 0; kb < blocks; exact = !exact) {  // one call site, so that fn is inlined once
+    I64 end = blocks;  // the run [kb, end) of blocks alike
+    if (!one_range)
+      for (end = kb; end < blocks;) {
+        const I64 word_end = imin(blocks, (end / 64 + 1) * 64);
+        uint64_t differ = exact_bits(end / 64) >> (end % 64);  // bit b: block end + b
+        if (exact) differ = ~differ;
+        end = differ ? imin(word_end, end + __builtin_ctzll(differ)) : word_end;
+        if (end < word_end) break;
+      }
+    fn(exact, kb * bc, imin(w.cols, end * bc));
+    kb = end;
   }
 }
 
-// The fp8 tile of the GEMV path: per column range (for_each_fp8_range), the 3-operation decode against x scaled
-// for it, or the exact decode against x scaled for that (both give products * 2^-16; x_fast == nullptr: exact
-// everywhere).
+// One step of the float32 GEMV over fp8 column blocks with subnormal codes, against the activations scaled for
+// the 3-operation decode (x * s * 2^104): the exact decode (value * 2^-8) and the activations each times 2^-56,
+// so that the products are value * x * s * 2^-16 as in the rest of the row, and no float32 denormal arises (the
+// smallest subnormal code becomes 2^-73). Bit for bit the products of a second activation copy scaled for the
+// exact decode, without making that copy.
+template <class V>
+struct Fp8ExactStep : FmaStep<V, WFormat::FP8> {
+  using typename FmaStep<V, WFormat::FP8>::Acc;
+  using Weights = typename V::F;
+  static HM_TILE_INLINE Weights weights(const uint8_t* p) { return V::mul(decode<V, WFormat::FP8>(p), rescale()); }
+  static HM_TILE_INLINE Acc multiply_add(Acc acc, Weights w, const float* x) {
+    return V::fma(w, V::mul(V::load(x), rescale()), acc);
+  }
+  static HM_TILE_INLINE typename V::F rescale() { return V::set1(0x1p-56f); }
+};
+
+// The fp8 tile of the GEMV path: per column range (for_each_fp8_range), the 3-operation decode or the exact one
+// (Fp8ExactStep) against x scaled for the former (xfast); xfast == nullptr (x * s too large for it): the exact
+// decode everywhere against x scaled for that (xexact). All products are * 2^-16.
 template <class V, int R, int MT, NextRows P>
 HM_TILE_INLINE void fp8_tile(const Matrix& w, const uint8_t* const* rowp, const I64* rows, const float* const* xfast,
                              const float* const* xexact, float (&out)[R][MT], const uint8_t* next) {
   typename V::F acc[R][MT];
   zero_and_finish<V, R, MT>(acc, out, false);
   for_each_fp8_range<R>(w, rows, xfast != nullptr, [&](bool exact, I64 k0, I64 k1) HM_TILE_LAMBDA {
-    if (exact) accumulate<V, WFormat::FP8, R, MT, P>(rowp, k0, k1, xexact, acc, next, w.row_bytes);
+    if (!xfast) accumulate<V, WFormat::FP8, R, MT, P>(rowp, k0, k1, xexact, acc, next, w.row_bytes);
+    else if (exact) accumulate_steps<Fp8ExactStep<V>, R, MT, P>(rowp, k0, k1, xfast, acc, next, w.row_bytes);
     else accumulate<V, kFp8Normal, R, MT, P>(rowp, k0, k1, xfast, acc, next, w.row_bytes);
   });
   zero_and_finish<V, R, MT>(acc, out, true);
@@ -289,8 +335,9 @@ inline I64 segment_end(const Matrix& w, I64 r, I64 re) {
 
 // GEMV path: whole rows, tiles of R rows (gemv_tile_rows). fp8 block scales are folded into a copy of the few
 // tokens' activations per row block, so the inner loop is decode + FMA; column blocks without subnormal codes use
-// the 3-operation decode (activations scaled by 2^104 more, outputs by 2^16), the others the exact one (their
-// activation copy is made when first needed). P: how each tile prefetches the next (NextRows).
+// the 3-operation decode (activations scaled by 2^104 more, outputs by 2^16), the others the exact one against
+// the same copy (Fp8ExactStep). Where x * s is too large for that scaling (|x * s| >= 2^24), the row block runs
+// the exact decode everywhere against a copy scaled for it. P: how each tile prefetches the next (NextRows).
 template <class V, WFormat F, int R, NextRows P>
 void matmul_fp_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
   const I64 K = w.cols, M = x.m;
@@ -306,25 +353,18 @@ void matmul_fp_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x,
     }
     return;
   }
-  float* scaled = scratch_floats(2 * M * x.ldx);
+  float* scaled = scratch_floats(M * x.ldx);
   for (I64 s0 = r0; s0 < r1;) {
     const I64 s1 = segment_end(w, s0, r1);
     const float* srow = static_cast<const float*>(w.scales) + (s0 / w.block_rows) * w.scale_stride;
     const bool fast = scale_activations(w, srow, x, kFp8NormalUnscale, scaled, x.ldx, xrows);
-    bool exact_ready = false;
+    if (!fast) scale_activations(w, srow, x, kFp8ExactUnscale, scaled, x.ldx, exact_rows);
     for (I64 r = s0; r < s1; r += R) {
       const uint8_t* rowp[R];
       I64 rows[R];
-      uint8_t flags = 0;
       for (int i = 0; i < R; ++i) {
         rows[i] = imin(r + i, s1 - 1);  // a short tile repeats its last row (not stored)
         rowp[i] = w.data + rows[i] * w.row_bytes;
-        flags |= w.row_flags[rows[i]];
-      }
-      const bool need_exact = !fast || (flags & kRowHasSubnormal);
-      if (need_exact && !exact_ready) {
-        scale_activations(w, srow, x, kFp8ExactUnscale, scaled + M * x.ldx, x.ldx, exact_rows);
-        exact_ready = true;
       }
       const uint8_t* next = next_tile_rows(w, r, r1, R, K);
       fp8_row_tile_all_tokens<V, R, P>(w, rowp, rows, fast ? xrows : nullptr, exact_rows, M, y, ldy, r - r0,

@@ -9,7 +9,8 @@
 // normal (no subnormal, no NaN), block scales 128 x 128; int scales bf16 per group of 128 (int4 and int8;
 // HM_AB_INT_GROUP=32 for groups of 32).
 // HM_AB_HUGE_PAGES=1 puts the matrices on transparent huge pages (2 MB-aligned, madvise), as the kernels' own
-// copies of the experts are.
+// copies of the experts are. HM_AB_SUBNORMALS=1 (fp8) puts a subnormal code at about 1 in 5000 positions (the same
+// in every matrix, flagged as the loader's scan flags them), as real checkpoints and the bench's experts have.
 #include <sys/mman.h>
 #include <immintrin.h>
 
@@ -90,6 +91,16 @@ int main(int argc, char** argv) {
   std::vector<uint16_t> int_scales(N * (K / group));
   for (auto& s : int_scales) s = static_cast<uint16_t>(0x3C00 + gen() % 256);  // bf16 0.0078-0.0156
   std::vector<uint8_t> row_flags(N, 0), subnormal_blocks(N * ((K / 128 + 7) / 8), 0);
+  const char* subnormal_env = std::getenv("HM_AB_SUBNORMALS");
+  std::vector<long> subnormal_at;  // positions r * K + k of subnormal codes, flagged per row and column block
+  if (fmt == "fp8" && subnormal_env && std::string(subnormal_env) == "1")
+    for (long i = 0; i < N * K; ++i)
+      if (gen() % 5000 == 0) {
+        const long r = i / K, kb = i % K / 128;
+        subnormal_at.push_back(i);
+        row_flags[r] |= hm::kRowHasSubnormal;
+        subnormal_blocks[r * ((K / 128 + 7) / 8) + kb / 8] |= static_cast<uint8_t>(1 << (kb % 8));
+      }
   std::vector<hm::Matrix> mats(copies);
   std::vector<uint8_t*> storage;
   for (long c = 0; c < copies; ++c) {
@@ -103,6 +114,7 @@ int main(int argc, char** argv) {
       if (fmt == "int8" && b == 0x80) b = 0x81;  // int8 weights avoid -128
       d[i] = b;
     }
+    for (long i : subnormal_at) d[i] = static_cast<uint8_t>((gen() & 0x80) | (1 + gen() % 7));
     w.data = d;
     w.rows = N;
     w.cols = K;

@@ -1,7 +1,7 @@
 """benchmarks/gemv_ab.sh compiles a git ref's kernel headers beside the working tree's and times both: with HEAD
 as the base and csrc/ unchanged, the two sides must compute the same outputs bit for bit, with the matrices on
-4 KB or (HM_AB_HUGE_PAGES=1) huge pages, and for int formats with scale groups of 128 or (HM_AB_INT_GROUP=32)
-32."""
+4 KB or (HM_AB_HUGE_PAGES=1) huge pages, fp8 with subnormal codes (HM_AB_SUBNORMALS=1), and for int formats with
+scale groups of 128 or (HM_AB_INT_GROUP=32) 32."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _git(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,env", [("fp8", {"HM_AB_HUGE_PAGES": "0"}), ("fp8", {"HM_AB_HUGE_PAGES": "1"}),
-                                     ("int4", {"HM_AB_INT_GROUP": "32"})])
+                                     ("fp8", {"HM_AB_SUBNORMALS": "1"}), ("int4", {"HM_AB_INT_GROUP": "32"})])
 def test_gemv_ab_times_head_against_the_working_tree(fmt, env):
     if shutil.which("git") is None or _git("rev-parse", "HEAD").returncode != 0:
         pytest.skip("not a git checkout")

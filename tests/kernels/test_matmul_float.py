@@ -143,6 +143,30 @@ def test_fp8_blocks_with_and_without_subnormals(each_isa, path):
                bf16=_bf16(big, path, tokens, "fp8", q, big_scales, (32, 128)))
 
 
+def test_fp8_runs_of_exact_and_fast_blocks(each_isa):
+    """A tile's columns run as maximal runs of blocks alike (for_each_fp8_range): exact blocks first, last (a
+    partial one), side by side, across the 64-block words of the subnormal bitmap, and alone. Those blocks hold
+    many subnormal codes under a large scale, so that a block decoded wrongly or a column taken twice or not at
+    all shows against float64."""
+    gen = torch.Generator().manual_seed(29)
+    rows, cols = 12, 64 * 128 + 300  # 67 column blocks, the last of 44 columns
+    q, s = random_fp8(rows, cols, (128, 128), gen, normal_only=True)
+    codes = q.view(torch.uint8).clone()
+    exact_blocks = {0: [0], 1: [62, 63, 64], 2: [66], 4: [10, 12], 7: [63], 9: [0, 1, 65, 66]}
+    for row, blocks in exact_blocks.items():
+        for b in blocks:
+            block = codes[row, b * 128:(b + 1) * 128]
+            block[::2] = torch.randint(1, 8, block[::2].shape, generator=gen, dtype=torch.uint8)  # subnormal
+    s[:] = 2.0 ** -6
+    s[:, [0, 1, 10, 12, 62, 63, 64, 65, 66]] = 64.0  # subnormal codes (<= 2^-6) then weigh like normal ones
+    q = codes.view(torch.float8_e4m3fn)
+    m = kernel_matrix("fp8", q, s)
+    w64 = reference.dequantize("fp8", q, s)
+    for tokens in (1, 2, 3, 4, 8, 9, 10):
+        x = torch.randn(tokens, cols, generator=gen)
+        _check(matmul(m, x, "gemv"), x, w64, bf16=_bf16(m, "gemv", tokens, "fp8", q, s))
+
+
 @pytest.mark.parametrize("fmt,cols", [("f32", 1600), ("bf16", 3100), ("f16", 3100), ("fp8", 6150), ("bf16", 1700),
                                       ("fp8", 3500)])
 def test_gemv_rows_of_3_kb_and_more(each_isa, fmt, cols):
