@@ -141,11 +141,15 @@ int main(int argc, char** argv) {
   }
 
   // activations in [-1, 1], and (int formats) their int8 copy per group, quantised as the MoE driver does
-  std::vector<float> x(max_tokens * K), qscale(max_tokens * (K / group)), qsum(max_tokens * (K / group));
+  // float rows padded as the MoE driver pads them (ActBuffer: round_up(K + 1, 16)), so that rows a multiple of 4 KB
+  // long do not share L1 sets column for column
+  const long ldx = (K + 1 + 15) / 16 * 16;
+  std::vector<float> x(max_tokens * ldx, 0.0f), qscale(max_tokens * (K / group)), qsum(max_tokens * (K / group));
   std::vector<int8_t> q(max_tokens * K);
-  for (float& v : x) v = static_cast<float>(static_cast<int>(gen() % 2001) - 1000) * 1e-3f;
   for (long m = 0; m < max_tokens; ++m)
-    hm::quantize_row(x.data() + m * K, K, K, static_cast<int>(group), q.data() + m * K,
+    for (long k = 0; k < K; ++k) x[m * ldx + k] = static_cast<float>(static_cast<int>(gen() % 2001) - 1000) * 1e-3f;
+  for (long m = 0; m < max_tokens; ++m)
+    hm::quantize_row(x.data() + m * ldx, K, K, static_cast<int>(group), q.data() + m * K,
                      qscale.data() + m * (K / group), qsum.data() + m * (K / group));
 
   std::printf("%-5s %6s %6s %6s %12s %12s %7s %12s %10s\n", "fmt", "rows", "cols", "tokens", "base GB/s",
@@ -156,7 +160,7 @@ int main(int argc, char** argv) {
     a.m = M;
     a.k = K;
     a.x = x.data();
-    a.ldx = K;
+    a.ldx = ldx;
     if (is_int) {
       a.q = q.data();
       a.ldq = K;
