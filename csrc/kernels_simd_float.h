@@ -114,8 +114,8 @@ HM_TILE_INLINE void fp_tile(const uint8_t* const* rowp, I64 n, const float* cons
 // fn(exact, k0, k1) over the columns of an fp8 tile (rows[i], i < R) in as few ranges as cover them: when !fast,
 // or when no row of the tile has a subnormal code (the common case), one range of whole rows; otherwise maximal
 // runs of column blocks alike, exact where a row of the tile has a subnormal code in the block. With realistic
-// weights (a subnormal code about 1 in 5000) 76% of DeepSeek-V3's 7168-column rows hold one, in 2-3 of their 56
-// blocks: a range per block made one thread's GEMV 0.68x as fast at 8 tokens, 0.5-0.85x at one
+// weights (a subnormal code about 1 in 5000) 76% of DeepSeek-V3's 7168-column rows hold one (1.4 a row on
+// average): a range per block made one thread's GEMV 0.68x as fast at 8 tokens, 0.5-0.85x at one
 // (benchmarks/gemv_ab.sh with HM_AB_SUBNORMALS=1; "Subnormal codes" in docs/kernels.md).
 template <int R, class Fn>
 HM_TILE_INLINE void for_each_fp8_range(const Matrix& w, const I64* rows, bool fast, Fn&& fn) {
