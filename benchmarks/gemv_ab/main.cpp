@@ -90,7 +90,8 @@ int main(int argc, char** argv) {
   std::vector<float> fp8_scales((N / 128 + 1) * (K / 128), 1e-3f);
   std::vector<uint16_t> int_scales(N * (K / group));
   for (auto& s : int_scales) s = static_cast<uint16_t>(0x3C00 + gen() % 256);  // bf16 0.0078-0.0156
-  std::vector<uint8_t> row_flags(N, 0), subnormal_blocks(N * ((K / 128 + 7) / 8), 0);
+  const long block_stride = (K / 128 + 7) / 8;  // bytes of subnormal block bits a row
+  std::vector<uint8_t> row_flags(N, 0), subnormal_blocks(N * block_stride, 0);
   const char* subnormal_env = std::getenv("HM_AB_SUBNORMALS");
   std::vector<long> subnormal_at;  // positions r * K + k of subnormal codes, flagged per row and column block
   if (fmt == "fp8" && subnormal_env && std::string(subnormal_env) == "1")
@@ -99,7 +100,7 @@ int main(int argc, char** argv) {
         const long r = i / K, kb = i % K / 128;
         subnormal_at.push_back(i);
         row_flags[r] |= hm::kRowHasSubnormal;
-        subnormal_blocks[r * ((K / 128 + 7) / 8) + kb / 8] |= static_cast<uint8_t>(1 << (kb % 8));
+        subnormal_blocks[r * block_stride + kb / 8] |= static_cast<uint8_t>(1 << (kb % 8));
       }
   std::vector<hm::Matrix> mats(copies);
   std::vector<uint8_t*> storage;
@@ -128,7 +129,7 @@ int main(int argc, char** argv) {
       w.block_rows = w.block_cols = 128;
       w.row_flags = row_flags.data();
       w.subnormal_blocks = subnormal_blocks.data();
-      w.subnormal_stride = (K / 128 + 7) / 8;
+      w.subnormal_stride = block_stride;
     } else if (fmt == "bf16") {
       w.fmt = hm::WFormat::BF16;
     } else {
@@ -146,11 +147,11 @@ int main(int argc, char** argv) {
   const long ldx = (K + 1 + 15) / 16 * 16;
   std::vector<float> x(max_tokens * ldx, 0.0f), qscale(max_tokens * (K / group)), qsum(max_tokens * (K / group));
   std::vector<int8_t> q(max_tokens * K);
-  for (long m = 0; m < max_tokens; ++m)
+  for (long m = 0; m < max_tokens; ++m) {
     for (long k = 0; k < K; ++k) x[m * ldx + k] = static_cast<float>(static_cast<int>(gen() % 2001) - 1000) * 1e-3f;
-  for (long m = 0; m < max_tokens; ++m)
     hm::quantize_row(x.data() + m * ldx, K, K, static_cast<int>(group), q.data() + m * K,
                      qscale.data() + m * (K / group), qsum.data() + m * (K / group));
+  }
 
   std::printf("%-5s %6s %6s %6s %12s %12s %7s %12s %10s\n", "fmt", "rows", "cols", "tokens", "base GB/s",
               "work GB/s", "work/b", "read GB/s", "max diff");
