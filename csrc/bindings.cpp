@@ -368,8 +368,18 @@ NB_MODULE(_native, mod) {
       .def_prop_ro("cols", [](const PyMatrix& p) { return p.m.cols; })
       .def_prop_ro("padded_cols", [](const PyMatrix& p) { return p.m.padded_cols; })
       .def_prop_ro("gemm_min_tokens",
-                   [](const PyMatrix& p) { return gemm_min_tokens(p.m.fmt, active_kernels()->bf16_dot); },
-                   "Tokens from which path='auto' takes the GEMM path (fewer: the GEMV path), for the active ISA.")
+                   [](const PyMatrix& p) {
+                     return gemm_min_tokens(p.m.fmt, active_kernels()->bf16_dot, active_kernels()->amx);
+                   },
+                   "Tokens from which path='auto' takes the GEMM path (fewer: the GEMV path), for the active ISA "
+                   "(amx: its AMX tiles for bf16 and fp8 weights).")
+      .def("rounds_activations_to_bf16",
+           [](const PyMatrix& p, int64_t tokens, const std::string& path) {
+             return rounds_activations_to_bf16(*active_kernels(), p.m.fmt, p.m.row_bytes, tokens, parse_path(path));
+           },
+           "tokens"_a, "path"_a,
+           "Whether a matmul of `tokens` tokens on `path` rounds the activations to bf16 under the active ISA (bf16 "
+           "dot products or AMX tiles for bf16 and fp8 weights).")
       .def_prop_ro("bf16_dot_min_tokens",
                    [](const PyMatrix& p) -> int64_t {
                      if (!active_kernels()->bf16_dot || !has_bf16_dot_path(p.m.fmt)) return -1;
@@ -440,6 +450,11 @@ NB_MODULE(_native, mod) {
   mod.def("isa_bf16_dot", [](const std::string& name) { return kernels_for(name)->bf16_dot; }, "name"_a,
           "Whether ISA `name` rounds the activations of bf16 and fp8 matmuls to bf16 (bf16 dot products); "
           "ValueError if it cannot run here");
+  mod.def("isa_amx", [](const std::string& name) { return kernels_for(name)->amx; }, "name"_a,
+          "Whether ISA `name` multiplies bf16 and fp8 weights by AMX tiles (activations rounded to bf16) from "
+          "amx_min_tokens() tokens per expert; ValueError if it cannot run here");
+  mod.def("amx_min_tokens", [] { return kAmxMinTokens; },
+          "Tokens per expert from which the amx ISA's auto path multiplies bf16 and fp8 weights by AMX tiles.");
   mod.def("bf16_dot_min_tokens", [] {
     return std::vector<std::pair<std::string, int64_t>>{{"fp8", bf16_dot_min_tokens(WFormat::FP8, 0)},
                                                         {"bf16", bf16_dot_min_tokens(WFormat::BF16, 0)}};  // short rows

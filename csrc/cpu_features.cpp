@@ -9,6 +9,10 @@
 #include <cpuid.h>
 #define HM_X86 1
 #endif
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace hm {
 
@@ -37,6 +41,7 @@ CpuFeatures detect() {
     const uint64_t xcr0 = xgetbv0();
     f.os_avx = (xcr0 & 0x6) == 0x6;
     f.os_avx512 = f.os_avx && (xcr0 & 0xE0) == 0xE0;
+    f.os_amx = (xcr0 & 0x60000) == 0x60000;  // XTILECFG, XTILEDATA
   }
   if (__get_cpuid_max(0, nullptr) >= 7) {
     __cpuid_count(7, 0, a, b, c, d);
@@ -47,6 +52,8 @@ CpuFeatures detect() {
     f.avx512vl = b & (1u << 31);
     f.avx512vbmi = c & (1u << 1);
     f.avx512vnni = c & (1u << 11);
+    f.amx_bf16 = d & (1u << 22);
+    f.amx_tile = d & (1u << 24);
     __cpuid_count(7, 1, a, b, c, d);
     f.avx512bf16 = a & (1u << 5);
   }
@@ -55,6 +62,21 @@ CpuFeatures detect() {
 }
 
 std::atomic<const KernelTable*> g_active{nullptr};
+
+// Linux hands out the AMX tile data state only to processes that ask for it (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA, once, for all threads); a tile instruction before that faults. Asked the first time the
+// amx ISA is considered.
+bool amx_permitted() {
+  static const bool permitted = [] {
+#if defined(__linux__) && defined(HM_X86)
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return permitted;
+}
 
 }  // namespace
 
@@ -68,10 +90,11 @@ std::vector<std::pair<std::string, bool>> cpu_feature_list() {
   return {{"avx", f.avx && f.os_avx}, {"avx2", f.avx2}, {"fma", f.fma}, {"f16c", f.f16c},
           {"avx512f", f.avx512f && f.os_avx512}, {"avx512bw", f.avx512bw}, {"avx512vl", f.avx512vl},
           {"avx512dq", f.avx512dq}, {"avx512_vnni", f.avx512vnni}, {"avx512_bf16", f.avx512bf16},
-          {"avx512_vbmi", f.avx512vbmi}, {"amd", f.amd}};
+          {"avx512_vbmi", f.avx512vbmi}, {"amx_tile", f.amx_tile && f.os_amx}, {"amx_bf16", f.amx_bf16},
+          {"amd", f.amd}};
 }
 
-std::vector<std::string> isa_names() { return {"avx512bf16", "avx512", "avx2", "avx2bf16", "scalar"}; }
+std::vector<std::string> isa_names() { return {"amx", "avx512bf16", "avx512", "avx2", "avx2bf16", "scalar"}; }
 
 // avx2bf16 (an emulation) runs only when forced. avx512bf16 is chosen by itself on AMD CPUs: on Zen 4 its bf16
 // dot products (from bf16_dot_min_tokens tokens per expert) ran the MoE 1.1-1.8x as fast as avx512 at DeepSeek-V3 / Qwen3
@@ -88,6 +111,7 @@ bool isa_compiled(const std::string& name) {
   if (name == "avx2bf16") return kernels_avx2bf16() != nullptr;
   if (name == "avx512") return kernels_avx512() != nullptr;
   if (name == "avx512bf16") return kernels_avx512bf16() != nullptr;
+  if (name == "amx") return kernels_amx() != nullptr;
   return false;
 }
 
@@ -103,25 +127,31 @@ std::string isa_unavailable_reason(const std::string& name) {
     need(f.avx2, "avx2");
     need(f.fma, "fma");
     need(f.f16c, "f16c");
-  } else if (name == "avx512" || name == "avx512bf16") {
+  } else if (name == "avx512" || name == "avx512bf16" || name == "amx") {
     need(f.avx2 && f.fma && f.f16c && f.os_avx, "avx2+fma+f16c");
     need(f.avx512f && f.os_avx512, "avx512f (with OS support)");
     need(f.avx512bw, "avx512bw");
     need(f.avx512vl, "avx512vl");
     need(f.avx512dq, "avx512dq");
     need(f.avx512vnni, "avx512_vnni");
-    if (name == "avx512bf16") need(f.avx512bf16, "avx512_bf16");
+    if (name != "avx512") need(f.avx512bf16, "avx512_bf16");
+    if (name == "amx") {
+      need(f.amx_tile && f.os_amx, "amx_tile (with OS support)");
+      need(f.amx_bf16, "amx_bf16");
+    }
   } else {
-    return "unknown ISA '" + name + "' (known: avx512bf16, avx512, avx2, avx2bf16, scalar)";
+    return "unknown ISA '" + name + "' (known: amx, avx512bf16, avx512, avx2, avx2bf16, scalar)";
   }
   if (!missing.empty()) return "this CPU lacks " + missing;
   if (!isa_compiled(name)) return "this build has no " + name + " kernels (compiler or platform without it)";
+  if (name == "amx" && !amx_permitted()) return "the OS refused this process the AMX tile state (arch_prctl)";
   return "";
 }
 
 const KernelTable* kernels_for(const std::string& name) {
   const std::string why = isa_unavailable_reason(name);
   if (!why.empty()) throw std::invalid_argument("ISA '" + name + "' cannot run: " + why);
+  if (name == "amx") return kernels_amx();
   if (name == "avx512bf16") return kernels_avx512bf16();
   if (name == "avx512") return kernels_avx512();
   if (name == "avx2") return kernels_avx2();

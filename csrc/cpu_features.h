@@ -1,7 +1,7 @@
 // CPU feature detection (cpuid + OS register-state support) and the run-time choice of kernel ISA.
-// HYBRIDMOE_ISA=scalar|avx2|avx2bf16|avx512|avx512bf16 forces one; otherwise the best one the CPU and the build
-// support runs among avx512bf16 (AMD CPUs only), avx512, avx2, scalar (avx2bf16, an emulation, only when forced:
-// see isa_auto_selected).
+// HYBRIDMOE_ISA=scalar|avx2|avx2bf16|avx512|avx512bf16|amx forces one; otherwise the best one the CPU and the
+// build support runs among amx, avx512bf16 (AMD CPUs only), avx512, avx2, scalar (avx2bf16, an emulation, only
+// when forced: see isa_auto_selected).
 #pragma once
 
 #include <string>
@@ -16,7 +16,8 @@ struct CpuFeatures {
   bool avx = false, avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512vnni = false, avx512bf16 = false, avx512vbmi = false;
-  bool os_avx = false, os_avx512 = false;  // the OS saves ymm / zmm state
+  bool amx_tile = false, amx_bf16 = false;
+  bool os_avx = false, os_avx512 = false, os_amx = false;  // the OS saves ymm / zmm / tile state
   bool amd = false;                         // vendor AuthenticAMD
 };
 
@@ -24,7 +25,7 @@ const CpuFeatures& cpu_features();
 std::vector<std::pair<std::string, bool>> cpu_feature_list();
 
 // ISAs in order of preference, each with whether this CPU can run it and this build has it.
-std::vector<std::string> isa_names();  // {"avx512bf16", "avx512", "avx2", "avx2bf16", "scalar"}
+std::vector<std::string> isa_names();  // {"amx", "avx512bf16", "avx512", "avx2", "avx2bf16", "scalar"}
 bool isa_auto_selected(const std::string& name);  // false for avx2bf16; avx512bf16 on AMD CPUs only
 bool isa_compiled(const std::string& name);
 // Empty if `name` can run here; otherwise why not (names the missing features).

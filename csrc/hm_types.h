@@ -106,14 +106,27 @@ static inline int64_t bf16_dot_min_tokens(WFormat f, int64_t row_bytes) {
   return row_bytes >= kBf16DotLongRowBytes ? 1 : kBf16DotMinTokensBf16;
 }
 
-static inline int64_t gemm_min_tokens(WFormat f, bool bf16_dot = false) {
+// Tokens per expert from which the amx table multiplies bf16 and fp8 weights by AMX tiles (kernels_amx.h) on the
+// auto path; fewer take the avx512 float32 GEMV.
+constexpr int64_t kAmxMinTokens = 4;
+
+// Tokens per expert from which path Auto leaves the GEMV path (for the amx table's bf16 and fp8 weights: for AMX
+// tiles).
+static inline int64_t gemm_min_tokens(WFormat f, bool bf16_dot = false, bool amx = false) {
+  if (amx && has_bf16_dot_path(f)) return kAmxMinTokens;
   if (bf16_dot && has_bf16_dot_path(f)) return kGemmMinTokensFloat;
   return f == WFormat::FP8 ? kGemmMinTokensFp8 : is_int_format(f) ? kGemmMinTokensInt : kGemmMinTokensFloat;
 }
 
 // Whether `tokens` tokens of one expert take the GEMM path for weights in format f.
-static inline bool use_gemm(MatmulPath path, int64_t tokens, WFormat f, bool bf16_dot = false) {
-  return path == MatmulPath::Gemm || (path == MatmulPath::Auto && tokens >= gemm_min_tokens(f, bf16_dot));
+static inline bool use_gemm(MatmulPath path, int64_t tokens, WFormat f, bool bf16_dot = false, bool amx = false) {
+  return path == MatmulPath::Gemm || (path == MatmulPath::Auto && tokens >= gemm_min_tokens(f, bf16_dot, amx));
+}
+
+// Whether a table with AMX tiles multiplies `tokens` tokens of format f by them: bf16 and fp8 weights, wherever
+// the GEMM path would run (forced, or past the float GEMV's range) and from kAmxMinTokens on the auto path.
+static inline bool use_amx(MatmulPath path, int64_t tokens, WFormat f) {
+  return has_bf16_dot_path(f) && (tokens > kMaxGemvTokens || use_gemm(path, tokens, f, false, true));
 }
 
 // The kernels one ISA provides. All pointers are non-null in a table that exists.
@@ -121,6 +134,8 @@ struct KernelTable {
   const char* name;
   // bf16 and fp8 weights: activations rounded to bf16, bf16 dot products on the GEMV path (kernels_simd_bf16.h)
   bool bf16_dot;
+  // bf16 and fp8 weights: activations rounded to bf16, AMX tiles where use_amx says (kernels_amx.h)
+  bool amx;
   // y[m * ldy + (r - r0)] = sum_k x[m][k] * W[r][k] for r in [r0, r1), m < x.m.
   void (*matmul)(const Matrix& w, int64_t r0, int64_t r1, const Activations& x, float* y, int64_t ldy,
                  MatmulPath path);
@@ -137,5 +152,16 @@ const KernelTable* kernels_avx2();    // nullptr where not compiled in
 const KernelTable* kernels_avx512();  // nullptr where not compiled in
 const KernelTable* kernels_avx512bf16();  // nullptr where not compiled in
 const KernelTable* kernels_avx2bf16();    // nullptr where not compiled in
+const KernelTable* kernels_amx();         // nullptr where not compiled in
+
+// Whether table t rounds the activations of a matmul of `tokens` tokens on `path` to bf16 (bf16 dot products or
+// AMX tiles) for a matrix of format f with rows of row_bytes bytes.
+static inline bool rounds_activations_to_bf16(const KernelTable& t, WFormat f, int64_t row_bytes, int64_t tokens,
+                                              MatmulPath path) {
+  if (!has_bf16_dot_path(f)) return false;
+  if (t.amx) return use_amx(path, tokens, f);
+  return t.bf16_dot && !use_gemm(path, tokens, f, true) && tokens <= kMaxGemvTokens &&
+         tokens >= bf16_dot_min_tokens(f, row_bytes);
+}
 
 }  // namespace hm

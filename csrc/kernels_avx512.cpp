@@ -5,7 +5,7 @@
 namespace hm {
 
 const KernelTable* kernels_avx512() {
-  static const KernelTable table = {"avx512", false, &matmul<Avx512>, &silu_mul<Avx512>, &read_sum,
+  static const KernelTable table = {"avx512", false, false, &matmul<Avx512>, &silu_mul<Avx512>, &read_sum,
                                     &fma_peak<Avx512>};
   return &table;
 }

@@ -7,7 +7,7 @@
 namespace hm {
 
 const KernelTable* kernels_avx512bf16() {
-  static const KernelTable table = {"avx512bf16", true, &matmul<Avx512Bf16>, &silu_mul<Avx512>, &read_sum,
+  static const KernelTable table = {"avx512bf16", true, false, &matmul<Avx512Bf16>, &silu_mul<Avx512>, &read_sum,
                                     &fma_peak<Avx512>};
   return &table;
 }

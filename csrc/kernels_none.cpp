@@ -12,4 +12,7 @@ const KernelTable* kernels_avx512() { return nullptr; }
 #ifndef HM_HAVE_AVX512BF16
 const KernelTable* kernels_avx512bf16() { return nullptr; }
 #endif
+#ifndef HM_HAVE_AMX
+const KernelTable* kernels_amx() { return nullptr; }
+#endif
 }  // namespace hm

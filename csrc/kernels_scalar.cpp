@@ -105,7 +105,7 @@ double fma_peak(I64 iters) {
 }  // namespace
 
 const KernelTable* kernels_scalar() {
-  static const KernelTable table = {"scalar", false, &matmul, &silu_mul, &read_sum, &fma_peak};
+  static const KernelTable table = {"scalar", false, false, &matmul, &silu_mul, &read_sum, &fma_peak};
   return &table;
 }
 

@@ -7,6 +7,8 @@
 //  - int formats (int4, int8): int8 activations quantised per group, integer dot products (maddubs or VNNI),
 //    one float multiply-add per group with the weight and activation scales (int4 with 32-groups: per 8
 //    groups, their integer sums folded into one vector first).
+//  - tables whose vocabulary has kAmx (amx) multiply bf16 and fp8 weights by AMX tiles where use_amx says
+//    (kernels_amx.h);
 //  - tables whose vocabulary has kBf16Dot (avx512bf16; avx2bf16 emulates it) run bf16 and fp8 weights on the
 //    GEMV path from bf16_dot_min_tokens tokens with bf16 activations and bf16 dot products (kernels_simd_bf16.h);
 // GEMV path (few tokens): register tiles of R rows x MT tokens over whole rows (vectors along K), sharing each
@@ -21,6 +23,7 @@
 // Legend: M tokens, K input features, R rows per register tile, MT tokens per register tile, W vector lanes.
 #pragma once
 
+#include "kernels_amx.h"
 #include "kernels_simd_bf16.h"
 #include "kernels_simd_float.h"
 #include "kernels_simd_int.h"
@@ -40,6 +43,13 @@ void matmul_fp(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, 
 
 template <class V>
 void matmul(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, MatmulPath path) {
+#ifdef __AMX_BF16__
+  if constexpr (V::kAmx) {
+    if (use_amx(path, x.m, w.fmt))
+      return w.fmt == WFormat::FP8 ? matmul_amx<V, WFormat::FP8>(w, r0, r1, x, y, ldy)
+                                   : matmul_amx<V, WFormat::BF16>(w, r0, r1, x, y, ldy);
+  }
+#endif
   const bool gemm = use_gemm(path, x.m, w.fmt, V::kBf16Dot);
   const bool bf16_scales = w.scale_type == ScaleType::BF16;
   switch (w.fmt) {

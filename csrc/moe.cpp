@@ -210,7 +210,9 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   std::vector<I64> blk_i(static_cast<size_t>(N), 1), blocks_i(static_cast<size_t>(N), 0), tasks(static_cast<size_t>(N));
   I64 max_tokens = 0, max_blk = 1;
   for (I64 s = 0; s < S; ++s) max_tokens = std::max(max_tokens, slot_begin[s + 1] - slot_begin[s]);
-  const bool gemm = use_gemm(in.path, max_tokens, fmt_, kt.bf16_dot) && !is_int_format(fmt_);  // the float GEMM transposes x
+  // the float GEMM panels transpose x once per task (not the int formats, nor AMX tiles: per row block)
+  const bool gemm = use_gemm(in.path, max_tokens, fmt_, kt.bf16_dot) && !is_int_format(fmt_) &&
+                    !(kt.amx && use_amx(in.path, max_tokens, fmt_));
   for (int n = 0; n < N; ++n) {
     if (!active(n)) continue;
     const I64 rows = nodes[n].end - nodes[n].begin;

@@ -12,6 +12,7 @@ struct Avx2 {
   static constexpr int W = 8;  // floats per vector
   using F = __m256;
   static constexpr bool kBf16Dot = false;  // float32 activations for the float formats (see Avx2Bf16Emulated)
+  static constexpr bool kAmx = false;
 
   static F zero() { return _mm256_setzero_ps(); }
   static F set1(float v) { return _mm256_set1_ps(v); }

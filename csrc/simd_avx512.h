@@ -13,6 +13,7 @@ struct Avx512 {
   static constexpr int W = 16;
   using F = __m512;
   static constexpr bool kBf16Dot = false;  // float32 activations for the float formats (see Avx512Bf16)
+  static constexpr bool kAmx = false;      // no AMX tiles (see Avx512Amx)
 
   static F zero() { return _mm512_setzero_ps(); }
   static F set1(float v) { return _mm512_set1_ps(v); }
@@ -90,13 +91,15 @@ struct Avx512Bf16 : Avx512 {
 
   static B load_b(const uint16_t* p) { return _mm512_loadu_si512(p); }
   // 2W e4m3fn codes without subnormals -> bf16 bits of value * 2^-120, in order (see Avx2Bf16Emulated).
-  static B fp8_normal_b(const uint8_t* p) {
-    const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  static B fp8_normal_b(const uint8_t* p) { return fp8_normal_codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static B fp8_normal_codes(__m256i codes) {
+    const __m512i v = _mm512_cvtepi8_epi16(codes);
     return _mm512_and_si512(_mm512_slli_epi16(v, 4), _mm512_set1_epi16(static_cast<short>(0x87F0)));
   }
   // 2W e4m3fn codes -> bf16 of value * 2^-8, exact (through IEEE half bits and float32).
-  static B fp8_exact_b(const uint8_t* p) {
-    __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  static B fp8_exact_b(const uint8_t* p) { return fp8_exact_codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static B fp8_exact_codes(__m256i codes) {
+    __m512i h = _mm512_cvtepi8_epi16(codes);
     h = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(static_cast<short>(0xBF80)));
     const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lanes 0-15 from lo, 16-31 from hi
@@ -128,6 +131,16 @@ struct Avx512Bf16 : Avx512 {
     }
     return infinite != 0;
   }
+};
+#endif
+
+#ifdef __AMX_BF16__
+// AVX-512 with AMX tiles (table "amx", compiled with -mavx512bf16 -mamx-tile -mamx-bf16): bf16 and fp8 weights
+// from kAmxMinTokens tokens per expert through tdpbf16ps tiles (kernels_amx.h), with the bf16 decodes and
+// rounding of Avx512Bf16; fewer tokens take the float32 GEMV of Avx512 (no bf16 dot products on the GEMV path).
+struct Avx512Amx : Avx512Bf16 {
+  static constexpr bool kBf16Dot = false;
+  static constexpr bool kAmx = true;
 };
 #endif
 

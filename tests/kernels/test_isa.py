@@ -24,6 +24,7 @@ def test_best_available_isa_is_selected_by_default():
     assert result.stdout.strip() == [name for name in available if isa.auto_selected(name)][0]
     assert not isa.auto_selected("avx2bf16")  # only when forced
     assert isa.auto_selected("avx512bf16") == isa.cpu_features()["amd"]  # measured faster on Zen 4 only
+    assert isa.auto_selected("amx")
 
 
 def test_avx2_path_follows_the_cpu_features():
@@ -35,8 +36,11 @@ def test_avx2_path_follows_the_cpu_features():
     assert ("avx2" in available) == ("avx2bf16" in available) == has_avx2
     assert ("avx512" in available) == has_avx512
     assert ("avx512bf16" in available) == (has_avx512 and features["avx512_bf16"])
+    assert ("amx" in available) == (has_avx512 and features["avx512_bf16"] and features["amx_tile"]
+                                    and features["amx_bf16"])
     assert {name: isa.bf16_dot(name) for name in available} == {
         name: name in ("avx512bf16", "avx2bf16") for name in available}
+    assert {name: isa.amx(name) for name in available} == {name: name == "amx" for name in available}
 
 
 @pytest.mark.parametrize("name", isa.available_isas())

@@ -41,10 +41,9 @@ def _check(out: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, rtol: float = 
 
 
 def _bf16(m, path: str, tokens: int, fmt: str, data, scales=None, block=(128, 128)):
-    """(fmt, data, scales, block) when the active ISA runs this call with bf16 dot products, else None."""
-    gemv = (path == "gemv" and tokens <= MAX_GEMV_TOKENS) or (path == "auto" and tokens < m.gemm_min_tokens)
-    dot = isa.bf16_dot() and fmt in ("bf16", "fp8") and 0 <= m.bf16_dot_min_tokens <= tokens
-    return (fmt, data, scales, block) if dot and gemv else None
+    """(fmt, data, scales, block) when the active ISA runs this call with bf16 activations (bf16 dot products or
+    AMX tiles), else None."""
+    return (fmt, data, scales, block) if m.rounds_activations_to_bf16(tokens, path) else None
 
 
 @pytest.mark.parametrize("fmt,dtype", [("f32", torch.float32), ("bf16", torch.bfloat16), ("f16", torch.float16)])
@@ -73,12 +72,14 @@ def test_fp8_block_scaled(each_isa, block, path):
 
 
 def _gemm_matrix(fmt: str, rows: int, cols: int, gen: torch.Generator):
-    """A random [rows, cols] matrix in fmt (fp8 with 128 x 128 blocks) -> (float64 weights, kernel matrix)."""
+    """A random [rows, cols] matrix in fmt (fp8 with 128 x 128 blocks) -> (float64 weights, kernel matrix,
+    _bf16's matrix arguments)."""
     if fmt == "fp8":
         q, s = random_fp8(rows, cols, (128, 128), gen)
-        return reference.dequantize("fp8", q, s, block=(128, 128)), kernel_matrix("fp8", q, s, block=(128, 128))
+        return (reference.dequantize("fp8", q, s, block=(128, 128)), kernel_matrix("fp8", q, s, block=(128, 128)),
+                (q, s))
     w = torch.randn(rows, cols, generator=gen).to(torch.float32 if fmt == "f32" else torch.bfloat16)
-    return w.double(), kernel_matrix(fmt, w)
+    return w.double(), kernel_matrix(fmt, w), (w,)
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "fp8"])
@@ -87,10 +88,10 @@ def test_gemm_rows_outer_and_chunk_outer_orders(each_isa, fmt):
     chunk by chunk over all rows. Both with partial chunks, a partial last row tile and prefetch across tiles."""
     gen = torch.Generator().manual_seed(seed(fmt, "orders", each_isa))
     cols = 1100
-    w64, m = _gemm_matrix(fmt, 45, cols, gen)
+    w64, m, data = _gemm_matrix(fmt, 45, cols, gen)
     for tokens in (9, 130):
         x = torch.randn(tokens, cols, generator=gen)
-        _check(matmul(m, x, "gemm"), x, w64)
+        _check(matmul(m, x, "gemm"), x, w64, bf16=_bf16(m, "gemm", tokens, fmt, *data))
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "fp8"])
@@ -101,10 +102,10 @@ def test_gemm_takes_a_few_last_tokens_by_dot_products(each_isa, fmt):
     sums carried across chunks (1100 columns), and chunk by chunk (145 tokens)."""
     gen = torch.Generator().manual_seed(seed(fmt, "dot tokens", each_isa))
     cols = 1100
-    w64, m = _gemm_matrix(fmt, 45, cols, gen)
+    w64, m, data = _gemm_matrix(fmt, 45, cols, gen)
     for tokens in (19, 20, 25, 28, 29, 33, 35, 49, 53, 145):
         x = torch.randn(tokens, cols, generator=gen)
-        _check(matmul(m, x, "gemm"), x, w64)
+        _check(matmul(m, x, "gemm"), x, w64, bf16=_bf16(m, "gemm", tokens, fmt, *data))
 
 
 def test_fp8_subnormals_decode_exactly(each_isa):
@@ -223,6 +224,35 @@ def test_bf16_dot_isas_run_fewer_tokens_as_their_float32_isa(fmt, cols):
             assert torch.equal(dot, plain) == (tokens < threshold), (name, tokens)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "bf16", "f32", "int4", "int8"])
+def test_amx_runs_fewer_tokens_and_other_formats_as_avx512(fmt):
+    """The amx ISA runs what it does not give its AMX tiles as avx512, bit for bit: bf16 and fp8 weights below
+    isa.amx_min_tokens() tokens on the auto path (or on a forced GEMV path), every other format always. From the
+    threshold on, bf16 and fp8 round their activations to bf16 (results differ)."""
+    if "amx" not in isa.available_isas():
+        pytest.skip("no AMX here")
+    gen = torch.Generator().manual_seed(seed(fmt, "amx"))
+    rows, cols = 40, 700
+    if fmt == "fp8":
+        m = kernel_matrix("fp8", *random_fp8(rows, cols, (128, 128), gen))
+    elif fmt in ("int4", "int8"):
+        m = kernel_matrix(fmt, *random_int(fmt, rows, cols, 32, torch.bfloat16, gen), cols=cols)
+    else:
+        dtype = torch.float32 if fmt == "f32" else torch.bfloat16
+        m = kernel_matrix(fmt, torch.randn(rows, cols, generator=gen).to(dtype))
+    threshold = isa.amx_min_tokens()
+    for tokens in (1, threshold - 1, threshold, 9):
+        x = torch.randn(tokens, cols, generator=gen)
+        for path in ("auto", "gemv"):
+            with isa.use_isa("amx"):
+                tiles = m.rounds_activations_to_bf16(tokens, path)
+                amx = matmul(m, x, path)
+            with isa.use_isa("avx512"):
+                plain = matmul(m, x, path)
+            assert tiles == (fmt in ("fp8", "bf16") and path == "auto" and tokens >= threshold)
+            assert torch.equal(amx, plain) == (not tiles), (tokens, path)
+
+
 @pytest.mark.parametrize("tokens,path", [(1, "gemv"), (2, "gemv"), (9, "gemm")])
 def test_fp8_nan_codes_give_nan_rows(each_isa, tokens, path):
     gen = torch.Generator().manual_seed(11)
@@ -280,7 +310,10 @@ def test_auto_path_switches_to_gemm_at_the_format_threshold(each_isa, fmt):
         dtype = torch.float32 if fmt == "f32" else torch.bfloat16
         m = kernel_matrix(fmt, torch.randn(rows, cols, generator=gen).to(dtype))
     threshold = m.gemm_min_tokens
-    assert threshold == {"fp8": 64 if isa.bf16_dot() else 13, "int4": 192, "int8": 192}.get(fmt, 64)
+    if isa.amx() and fmt in ("fp8", "bf16"):
+        assert threshold == isa.amx_min_tokens()  # the AMX tiles
+    else:
+        assert threshold == {"fp8": 64 if isa.bf16_dot() else 13, "int4": 192, "int8": 192}.get(fmt, 64)
     for tokens, path in [(threshold - 1, "gemv"), (threshold, "gemm")]:
         x = torch.randn(tokens, cols, generator=gen)
         assert torch.equal(matmul(m, x, "auto"), matmul(m, x, path)), f"{tokens} tokens"

@@ -52,6 +52,9 @@ def run(args) -> int:
             notes.append(f"bf16 dot products for bf16/fp8 weights from {min_tokens['bf16']}/{min_tokens['fp8']} "
                          f"tokens per expert (bf16 rows of {long_rows} bytes and more: from 1), activations "
                          "rounded to bf16")
+        if not reason and isa.amx(name):
+            notes.append(f"AMX tiles for bf16/fp8 weights from {isa.amx_min_tokens()} tokens per expert, "
+                         "activations rounded to bf16")
         if name == "avx2bf16" and not reason:
             notes.append("emulated, for tests")
         if not reason and not isa.auto_selected(name):

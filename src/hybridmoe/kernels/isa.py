@@ -1,8 +1,10 @@
 """Which kernel ISA runs, what the CPU offers, and the kernels' thread pool.
 
-The best ISA the CPU and the build support runs (avx512bf16 on AMD CPUs > avx512 > avx2 > scalar);
-HYBRIDMOE_ISA=scalar|avx2|avx2bf16|avx512|avx512bf16 forces one (an unusable value raises ValueError naming the
-missing CPU features). avx512bf16 runs bf16 and fp8 weights on the GEMV path with bf16 dot products
+The best ISA the CPU and the build support runs (amx > avx512bf16 on AMD CPUs > avx512 > avx2 > scalar);
+HYBRIDMOE_ISA=scalar|avx2|avx2bf16|avx512|avx512bf16|amx forces one (an unusable value raises ValueError naming the
+missing CPU features). amx (CPUs with AMX-BF16, once Linux grants the process the tile state) multiplies bf16 and
+fp8 weights by AMX tiles (activations rounded to bf16) from amx_min_tokens() tokens per expert, and runs as
+avx512 otherwise. avx512bf16 runs bf16 and fp8 weights on the GEMV path with bf16 dot products
 (activations rounded to bf16) from Matrix.bf16_dot_min_tokens tokens per expert (1 fp8, 4 bf16; 1 for bf16 rows
 of 4 KB and more), and as avx512 otherwise; avx2bf16 emulates it on AVX2 to test it anywhere and is never chosen
 by itself. avx512bf16 is chosen on AMD CPUs only: on Zen 4 it ran the MoE 1.1-1.8x as fast as avx512 where it
@@ -43,6 +45,18 @@ def bf16_dot(name: str | None = None) -> bool:
     """Whether ISA `name` (default: the active one) rounds the activations of bf16 and fp8 weight matmuls to
     bf16 and multiplies them with bf16 dot products; ValueError if it cannot run here."""
     return _native.isa_bf16_dot(name or active_isa())
+
+
+def amx(name: str | None = None) -> bool:
+    """Whether ISA `name` (default: the active one) multiplies bf16 and fp8 weights by AMX tiles, with their
+    activations rounded to bf16, from amx_min_tokens() tokens per expert (and wherever the GEMM path runs);
+    ValueError if it cannot run here."""
+    return _native.isa_amx(name or active_isa())
+
+
+def amx_min_tokens() -> int:
+    """Tokens per expert from which the amx ISA's auto path takes its AMX tiles for bf16 and fp8 weights."""
+    return int(_native.amx_min_tokens())
 
 
 def bf16_dot_min_tokens() -> dict[str, int]:
