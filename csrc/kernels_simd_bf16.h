@@ -125,11 +125,10 @@ HM_TILE_INLINE void for_each_token_tile_upto(I64 M, Fn&& fn) {
   }
 }
 
-// The GEMV path with bf16 dot products: whole rows, tiles of 4 rows x up to V::kBf16Tokens tokens, each
+// The GEMV path with bf16 dot products: whole rows, tiles of R rows x up to V::kBf16Tokens tokens, each
 // prefetching the next as P says (NextRows).
-template <class V, WFormat F, NextRows P>
+template <class V, WFormat F, int R, NextRows P>
 void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
-  constexpr int R = 4;
   constexpr I64 B = bytes_per_weight<F>();
   const I64 K = w.cols, M = x.m, ld = bf16_row_length<V>(K);
   const uint16_t* fast_rows[kMaxGemvTokens];
@@ -173,10 +172,26 @@ void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activatio
   if constexpr (F == WFormat::FP8) set_nan_rows(w, r0, r1, M, y, ldy);
 }
 
+// One token against fp8 rows of this many bytes and more: tiles of 2 rows rather than 4. Two rows read at once
+// (and the next tile's two prefetched) stream from memory nearly as fast as a plain read, four do not (Zen 5, one
+// thread, 400 MB read-only: 2 rows 0.79-1.06 of the plain read, 4 rows with the next tile prefetched 0.63-0.79);
+// with one token the tile's arithmetic is not what limits it. Measured 2026-12-02 on Zen 5 (benchmarks/gemv_ab.sh,
+// one thread, 4 -> 2 rows): fp8 2048 x 7168 1.10-1.19x (6 runs, subnormal codes at a checkpoint's rate), 4096 x
+// 3072 1.07-1.15x, 2048 x 4096 0.99-1.00x, 768 x 2048 0.96-0.98x (hence the bound); the MoE at DeepSeek-V3 shapes,
+// 2 threads, T = 1: 1.01-1.07x (median 1.04x), where the two threads share the host's read limit. bf16 rows did
+// not gain in the MoE (DeepSeek-V3 0.92-0.99x) and keep 4-row tiles.
+constexpr I64 kTwoRowTileMinBytes = 3 << 10;
+
 template <class V, WFormat F>
 void matmul_bf16_dot_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
-  with_next_rows<V, Gemv::Float, 4>(w.row_bytes, x.m, x.m * w.cols * I64{sizeof(uint16_t)}, [&](auto tag) {
-    matmul_bf16_dot_gemv_tiles<V, F, decltype(tag)::kPolicy>(w, r0, r1, x, y, ldy);
+  const I64 activation_bytes = x.m * w.cols * I64{sizeof(uint16_t)};
+  if (F == WFormat::FP8 && x.m == 1 && w.row_bytes >= kTwoRowTileMinBytes) {
+    return with_next_rows<V, Gemv::Float, 2>(w.row_bytes, x.m, activation_bytes, [&](auto tag) {
+      matmul_bf16_dot_gemv_tiles<V, F, 2, decltype(tag)::kPolicy>(w, r0, r1, x, y, ldy);
+    });
+  }
+  with_next_rows<V, Gemv::Float, 4>(w.row_bytes, x.m, activation_bytes, [&](auto tag) {
+    matmul_bf16_dot_gemv_tiles<V, F, 4, decltype(tag)::kPolicy>(w, r0, r1, x, y, ldy);
   });
 }
 
