@@ -225,6 +225,17 @@ def test_bf16_dot_isas_run_fewer_tokens_as_their_float32_isa(fmt, cols):
             assert torch.equal(dot, plain) == (tokens < threshold), (name, tokens)
 
 
+def _any_format_matrix(fmt: str, rows: int, cols: int, gen: torch.Generator):
+    """A random [rows, cols] kernel matrix in fmt: fp8 with 128 x 128 blocks, int4 / int8 in groups of 32 with
+    bf16 scales, f32 or bf16."""
+    if fmt == "fp8":
+        return kernel_matrix("fp8", *random_fp8(rows, cols, (128, 128), gen))
+    if fmt in ("int4", "int8"):
+        return kernel_matrix(fmt, *random_int(fmt, rows, cols, 32, torch.bfloat16, gen), cols=cols)
+    return kernel_matrix(fmt, torch.randn(rows, cols, generator=gen).to(torch.float32 if fmt == "f32" else
+                                                                        torch.bfloat16))
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "bf16", "f32", "int4", "int8"])
 def test_amx_runs_fewer_tokens_and_other_formats_as_avx512(fmt):
     """The amx ISA runs what it does not give its AMX tiles as avx512, bit for bit: bf16 and fp8 weights below
@@ -233,14 +244,8 @@ def test_amx_runs_fewer_tokens_and_other_formats_as_avx512(fmt):
     if "amx" not in isa.available_isas():
         pytest.skip("no AMX here")
     gen = torch.Generator().manual_seed(seed(fmt, "amx"))
-    rows, cols = 40, 700
-    if fmt == "fp8":
-        m = kernel_matrix("fp8", *random_fp8(rows, cols, (128, 128), gen))
-    elif fmt in ("int4", "int8"):
-        m = kernel_matrix(fmt, *random_int(fmt, rows, cols, 32, torch.bfloat16, gen), cols=cols)
-    else:
-        dtype = torch.float32 if fmt == "f32" else torch.bfloat16
-        m = kernel_matrix(fmt, torch.randn(rows, cols, generator=gen).to(dtype))
+    cols = 700
+    m = _any_format_matrix(fmt, 40, cols, gen)
     threshold = isa.amx_min_tokens()
     for tokens in (1, threshold - 1, threshold, 9):
         x = torch.randn(tokens, cols, generator=gen)
@@ -305,14 +310,8 @@ def test_auto_path_switches_to_gemm_at_the_format_threshold(each_isa, fmt):
     """path='auto' runs the GEMV path below m.gemm_min_tokens tokens and the GEMM path from it on: bit for bit
     the forced path's result (the two paths sum in different orders)."""
     gen = torch.Generator().manual_seed(seed(fmt, "auto", each_isa))
-    rows, cols = 20, 300
-    if fmt == "fp8":
-        m = kernel_matrix("fp8", *random_fp8(rows, cols, (128, 128), gen))
-    elif fmt in ("int4", "int8"):
-        m = kernel_matrix(fmt, *random_int(fmt, rows, cols, 32, torch.bfloat16, gen), cols=cols)
-    else:
-        dtype = torch.float32 if fmt == "f32" else torch.bfloat16
-        m = kernel_matrix(fmt, torch.randn(rows, cols, generator=gen).to(dtype))
+    cols = 300
+    m = _any_format_matrix(fmt, 20, cols, gen)
     threshold = m.gemm_min_tokens
     if isa.amx() and fmt in ("fp8", "bf16"):
         assert threshold == isa.amx_min_tokens()  # the AMX tiles
