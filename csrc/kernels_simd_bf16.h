@@ -179,8 +179,9 @@ void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activatio
 // (benchmarks/gemv_ab.sh, one thread, 4 -> 2 rows): fp8 2048 x 7168 1.10-1.19x at one token (6 runs, subnormal
 // codes at a checkpoint's rate) and 1.05-1.15x at two, but 0.82-0.83x at three and 0.90-0.93x at four; 4096 x
 // 3072 1.07-1.15x at one, 1.00-1.02x at two; 2048 x 4096 0.99-1.00x and 768 x 2048 0.96-0.98x at one (hence the
-// bound). The MoE at DeepSeek-V3 shapes, 2 threads, T = 1: 1.01-1.07x (median 1.04x), where the two threads share
-// the host's read limit. bf16 rows did not gain in the MoE (DeepSeek-V3 0.92-0.99x) and keep 4-row tiles.
+// bound). The MoE at DeepSeek-V3 shapes, 2 threads, 2-row tiles against 4-row ones alternating in one process,
+// medians of 6 rounds: T = 1 1.04x, T = 4 1.06x, T = 16 1.03x (0.81-1.15x round by round), where the two threads
+// share the host's read limit. bf16 rows did not gain in the MoE (DeepSeek-V3 0.92-0.99x) and keep 4-row tiles.
 constexpr I64 kTwoRowTileMinBytes = 3 << 10;
 constexpr I64 kTwoRowTileMaxTokens = 2;
 
