@@ -328,6 +328,14 @@ void matmul_int4_g32(const Matrix& w, I64 r0, I64 r1, const Activations& x, floa
   }
 }
 
+// One token against int8 rows of this many bytes and more: two tiles of 2 rows rather than one of 4 (their rows
+// stream from memory faster; see kTwoRowTileMinBytes in kernels_simd_bf16.h). Measured 2026-12-02 on Zen 5: one
+// thread (benchmarks/gemv_ab.sh, int8 2048 x 7168) 1.15-1.17x with groups of 32 (the avx2 table: 1.09-1.12x),
+// 1.03-1.07x with groups of 128; the MoE at DeepSeek-V3 shapes
+// (groups of 32), 2 threads, both kinds alternating in one process, medians of 6 rounds: 1.09x at T = 1, 1.07x
+// at T = 4. int4 rows (groups of 128, 3.5 KB) read 0.96-0.99x one thread and keep 4-row tiles.
+constexpr I64 kInt8TwoRowTileMinBytes = 3 << 10;
+
 template <class V, WFormat F, ScaleType ST, int kChunks, NextRows P>
 void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
   const I64 M = x.m, groups = w.padded_cols / w.group;
@@ -365,6 +373,19 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
                                             m == 0 && tile.next ? tile.next + i * w.row_bytes : nullptr);
           store_tile<2, 2>(y, ldy, m, row0 + i, tile.valid - i, first, o);
         }
+      }
+      if (F == WFormat::INT8 && M == 1 && !gemm && w.row_bytes >= kInt8TwoRowTileMinBytes) {  // 2-row tiles
+        const int8_t* xq[1] = {q_row(x, 0)};
+        const float* xs[1] = {qscale_row(x, 0)};
+        const float* xsum[1] = {qsum_row(x, 0)};
+        for (int i = 0; i < 4; i += 2) {
+          float o[2][1];
+          // the next 2 rows: this row tile's last two, then the next row tile's first two
+          const uint8_t* next = tile.next ? (i == 0 ? tile.rowp[2] : tile.next) : nullptr;
+          int_tile<V, F, ST, kChunks, 2, 1, P>(tile.rowp + i, tile.srow + i, g0, g1, xq, xs, xsum, o, next);
+          store_tile<2, 1>(y, ldy, 0, row0 + i, tile.valid - i, first, o);
+        }
+        continue;
       }
       for (; m < M; ++m) {
         const int8_t* xq[1] = {q_row(x, m)};

@@ -11,8 +11,9 @@ from hybridmoe.kernels.moe import matmul
 from hybridmoe.kernels.weights import kernel_matrix
 from kernel_testing import random_int, seed
 
-# (N, K); 1100: K chunks on GEMM; 6200: rows of >= 3 KB, whose GEMV prefetches the next tile into L2 (NextRows)
-SHAPES = [(1, 1), (5, 7), (37, 100), (64, 256), (131, 300), (20, 1100), (13, 6200)]
+# (N, K); 1100: K chunks on GEMM; 6200, 3200: rows of >= 3 KB, whose GEMV prefetches the next tile into L2
+# (NextRows) and, for int8 at one token, reads 2-row tiles (kInt8TwoRowTileMinBytes; last row tiles of 1 and 3 rows)
+SHAPES = [(1, 1), (5, 7), (37, 100), (64, 256), (131, 300), (20, 1100), (13, 6200), (15, 3200)]
 TOKENS = [1, 2, 3, 5, 9, 17]
 CASES = [(fmt, group, dtype) for fmt in formats.INT_FORMATS for group in formats.INT_GROUPS
          for dtype in formats.INT_SCALE_DTYPES]
