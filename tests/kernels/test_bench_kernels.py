@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import pytest
 
@@ -39,6 +40,27 @@ def test_bench_writes_the_report(tmp_path, monkeypatch):
     # the opening and closing probes, and per format one before its first case and one after each case
     assert len(report["memory_bandwidth_gbs_probes"]) == 2 + 3 * (1 + 2)
     assert report["memory_bandwidth_gbs"] == max(report["memory_bandwidth_gbs_probes"])
+
+
+def test_cases_are_timed_after_warming_up_for_a_while(monkeypatch):
+    """_median_time calls the first routing on layer 0 until WARMUP_SECONDS have passed, then times routing i on
+    layer i once each and returns the median of those times."""
+    monkeypatch.setattr(bench, "WARMUP_SECONDS", 0.05)
+    calls = []
+    delays = {1: 0.001, 2: 0.003, 3: 0.002}
+
+    def call(layer, hidden, ids, weights):
+        calls.append((layer, ids, time.perf_counter()))
+        time.sleep(delays.get(layer, 0.002))
+
+    routings = [(f"ids{i}", f"w{i}") for i in range(4)]
+    start = time.perf_counter()
+    seconds = bench._median_time(call, routings, None)
+    warmup = [c for c in calls if c[0] == 0]
+    assert all(ids == "ids0" for _, ids, _ in warmup) and len(warmup) >= 2
+    assert warmup[-1][2] - start < 0.05 <= calls[len(warmup)][2] - start  # the last warm-up call began in time
+    assert [(layer, ids) for layer, ids, _ in calls[len(warmup):]] == [(1, "ids1"), (2, "ids2"), (3, "ids3")]
+    assert 0.002 <= seconds < 0.003 + 0.02  # the median of the three timed calls (sleep overshoots a little)
 
 
 def test_unknown_formats_are_refused():

@@ -53,6 +53,10 @@ POOL_BYTES = {False: 1 << 30, True: 256 << 20}  # by quick: the least expert poo
 CACHE_MULTIPLE = 4  # the probe's buffer and the pools are at least this many times the last-level cache
 # where the kernels read the experts (numa.topology()["copy_shards"]; HYBRIDMOE_COPY_EXPERTS=1 copies them)
 EXPERT_MEMORY = {False: "read in place", True: "copied at load onto huge pages"}
+# Short calls after the CPUs idled ran slower for tens of ms on the Zen 5 VM (2026-12-02, Qwen3 bf16 T = 1, medians
+# of 8 calls after one warm-up call: 3.0-5.6 ms after 1 s idle, 1.9-3.1 ms right after torch's calls; 2.4-2.9 ms
+# after 1 s idle and 0.2 s of warm-up calls), so each case first calls for this long.
+WARMUP_SECONDS = 0.2
 DEQUANT_MAX_EXPERTS = {False: 8, True: 2}  # by quick: experts the dequantise baseline times per call, then scales
 
 
@@ -177,9 +181,12 @@ def _routings(tokens: int, num_experts: int, top_k: int, count: int) -> list[tup
 
 
 def _median_time(call, routings, hidden) -> float:
-    """Median seconds of call(layer, hidden, ids, weights) over the routings after the first (a warm-up), the
-    i-th routing on layer i."""
+    """Median seconds of call(layer, hidden, ids, weights) over the routings after the first, the i-th routing on
+    layer i, after warm-up calls with the first routing on layer 0 for at least WARMUP_SECONDS."""
+    start = time.perf_counter()
     call(0, hidden, *routings[0])
+    while time.perf_counter() - start < WARMUP_SECONDS:
+        call(0, hidden, *routings[0])
     times = []
     for layer, (ids, weights) in enumerate(routings[1:], 1):
         start = time.perf_counter()
