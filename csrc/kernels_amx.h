@@ -7,7 +7,7 @@
 //   exactly, as in the bf16 dot-product GEMV).
 // - B tiles (16 column pairs x N tokens x 2 bf16): the tokens' activations, times the fp8 block scales of the
 //   row block (and 2^104, or 2^-8 for the exact decode), rounded to bf16 and transposed pairwise once per row
-//   block (scale_activations_bf16, then amx_pack_tokens). Their products are * 2^-16 either way, so both
+//   block (segment_activations_bf16, then amx_pack_tokens). Their products are * 2^-16 either way, so both
 //   decodes accumulate into one C tile; where x * s is too large for the 2^104 scaling the row block runs the
 //   exact decode everywhere.
 // - C tiles (16 rows x N tokens, float32): 4 row tiles x 1 token tile (up to 16 tokens: each B tile load serves
@@ -314,14 +314,9 @@ void matmul_amx(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
   amx_configure(n);
   for (I64 s0 = r0; s0 < r1;) {
     const I64 s1 = segment_end(w, s0, r1);
-    const float* srow = nullptr;
-    bool fast = true, exact_ready = false;
-    if constexpr (F == WFormat::FP8) {
-      srow = static_cast<const float*>(w.scales) + (s0 / w.block_rows) * w.scale_stride;
-      fast = scale_activations_bf16<V>(w, srow, x, kFp8NormalUnscale, xbuf, ld, xrows);
-    } else {
-      scale_activations_bf16<V>(w, srow, x, 1.0f, xbuf, ld, xrows);
-    }
+    const float* srow;
+    const bool fast = segment_activations_bf16<V, F>(w, s0, x, xbuf, ld, xrows, srow);
+    bool exact_ready = false;
     if (fast) amx_pack_tokens(xrows, M, steps, n, pack_fast);
     for (I64 r = s0; r < s1; r += group_rows) {
       const int row_tiles = static_cast<int>((imin(s1 - r, group_rows) + kAmxTile - 1) / kAmxTile);

@@ -59,6 +59,21 @@ inline bool scale_activations_bf16(const Matrix& w, const float* srow, const Act
   }
 }
 
+// The start of a segment of rows at s0 (segment_end: bf16 all rows, fp8 the rows of one scale row block): srow =
+// its fp8 scale row (nullptr for bf16), and the tokens' activations (fp8: scaled by srow for the fast decode)
+// rounded to bf16 into dst (rows[m]). False where an fp8 row block must take the exact decode everywhere.
+template <class V, WFormat F>
+inline bool segment_activations_bf16(const Matrix& w, I64 s0, const Activations& x, uint16_t* dst, I64 ld,
+                                     const uint16_t** rows, const float*& srow) {
+  if constexpr (F == WFormat::FP8) {
+    srow = static_cast<const float*>(w.scales) + (s0 / w.block_rows) * w.scale_stride;
+    return scale_activations_bf16<V>(w, srow, x, kFp8NormalUnscale, dst, ld, rows);
+  } else {
+    srow = nullptr;
+    return scale_activations_bf16<V>(w, srow, x, 1.0f, dst, ld, rows);
+  }
+}
+
 // One step of the bf16 dot-product GEMV: L = 2W weights of format F decoded to bf16, multiplied by bf16
 // activations into W float32 lanes (V::dot_b).
 template <class V, WFormat F>
@@ -137,14 +152,9 @@ void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activatio
   const float output_scale = F == WFormat::FP8 ? kFp8NormalOutput : 1.0f;
   for (I64 s0 = r0; s0 < r1;) {
     const I64 s1 = segment_end(w, s0, r1);  // bf16: all rows; fp8: the rows of one scale row block
-    const float* srow = nullptr;
-    bool fast = true, exact_ready = false;
-    if constexpr (F == WFormat::FP8) {
-      srow = static_cast<const float*>(w.scales) + (s0 / w.block_rows) * w.scale_stride;
-      fast = scale_activations_bf16<V>(w, srow, x, kFp8NormalUnscale, buf, ld, fast_rows);
-    } else {
-      scale_activations_bf16<V>(w, srow, x, 1.0f, buf, ld, fast_rows);
-    }
+    const float* srow;
+    const bool fast = segment_activations_bf16<V, F>(w, s0, x, buf, ld, fast_rows, srow);
+    bool exact_ready = false;
     for (I64 r = s0; r < s1; r += R) {
       const uint8_t* rowp[R];
       I64 rows[R];

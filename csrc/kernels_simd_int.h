@@ -341,6 +341,7 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
   const I64 M = x.m, groups = w.padded_cols / w.group;
   const I64 gc = gemm ? imax(1, kGemmChunkK / w.group) : groups;
   constexpr int kWideRows = kChunks == 1 ? 2 : 1;  // rows of the 4-token tile (int accumulators cost registers)
+  const bool two_row_tiles = F == WFormat::INT8 && M == 1 && !gemm && w.row_bytes >= kInt8TwoRowTileMinBytes;
   for (I64 g0 = 0; g0 < groups; g0 += gc) {
     const I64 g1 = imin(g0 + gc, groups);
     const bool first = g0 == 0;
@@ -374,23 +375,20 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
           store_tile<2, 2>(y, ldy, m, row0 + i, tile.valid - i, first, o);
         }
       }
-      if (F == WFormat::INT8 && M == 1 && !gemm && w.row_bytes >= kInt8TwoRowTileMinBytes) {  // 2-row tiles
-        const int8_t* xq[1] = {q_row(x, 0)};
-        const float* xs[1] = {qscale_row(x, 0)};
-        const float* xsum[1] = {qsum_row(x, 0)};
-        for (int i = 0; i < 4; i += 2) {
-          float o[2][1];
-          // the next 2 rows: this row tile's last two, then the next row tile's first two
-          const uint8_t* next = tile.next ? (i == 0 ? tile.rowp[2] : tile.next) : nullptr;
-          int_tile<V, F, ST, kChunks, 2, 1, P>(tile.rowp + i, tile.srow + i, g0, g1, xq, xs, xsum, o, next);
-          store_tile<2, 1>(y, ldy, 0, row0 + i, tile.valid - i, first, o);
-        }
-        continue;
-      }
       for (; m < M; ++m) {
         const int8_t* xq[1] = {q_row(x, m)};
         const float* xs[1] = {qscale_row(x, m)};
         const float* xsum[1] = {qsum_row(x, m)};
+        if (two_row_tiles) {
+          for (int i = 0; i < 4; i += 2) {
+            float o[2][1];
+            // the next 2 rows: this row tile's last two, then the next row tile's first two
+            const uint8_t* next = tile.next ? (i == 0 ? tile.rowp[2] : tile.next) : nullptr;
+            int_tile<V, F, ST, kChunks, 2, 1, P>(tile.rowp + i, tile.srow + i, g0, g1, xq, xs, xsum, o, next);
+            store_tile<2, 1>(y, ldy, m, row0 + i, tile.valid - i, first, o);
+          }
+          continue;
+        }
         float o[4][1];
         int_tile<V, F, ST, kChunks, 4, 1, P>(tile.rowp, tile.srow, g0, g1, xq, xs, xsum, o,
                                              m == 0 ? tile.next : nullptr);
