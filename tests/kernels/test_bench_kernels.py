@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import types
 
 import pytest
 
@@ -44,23 +44,20 @@ def test_bench_writes_the_report(tmp_path, monkeypatch):
 
 def test_cases_are_timed_after_warming_up_for_a_while(monkeypatch):
     """_median_time calls the first routing on layer 0 until WARMUP_SECONDS have passed, then times routing i on
-    layer i once each and returns the median of those times."""
+    layer i once each and returns the median of those times (on a fake clock that each call advances)."""
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
     monkeypatch.setattr(bench, "WARMUP_SECONDS", 0.05)
+    durations = {0: 0.01, 1: 0.001, 2: 0.003, 3: 0.002}
     calls = []
-    delays = {1: 0.001, 2: 0.003, 3: 0.002}
 
     def call(layer, hidden, ids, weights):
-        calls.append((layer, ids, time.perf_counter()))
-        time.sleep(delays.get(layer, 0.002))
+        calls.append((layer, ids))
+        clock.now += durations[layer]
 
-    routings = [(f"ids{i}", f"w{i}") for i in range(4)]
-    start = time.perf_counter()
-    seconds = bench._median_time(call, routings, None)
-    warmup = [c for c in calls if c[0] == 0]
-    assert all(ids == "ids0" for _, ids, _ in warmup) and len(warmup) >= 2
-    assert warmup[-1][2] - start < 0.05 <= calls[len(warmup)][2] - start  # the last warm-up call began in time
-    assert [(layer, ids) for layer, ids, _ in calls[len(warmup):]] == [(1, "ids1"), (2, "ids2"), (3, "ids3")]
-    assert 0.002 <= seconds < 0.003 + 0.02  # the median of the three timed calls (sleep overshoots a little)
+    seconds = bench._median_time(call, [(f"ids{i}", f"w{i}") for i in range(4)], None)
+    assert calls == [(0, "ids0")] * 5 + [(1, "ids1"), (2, "ids2"), (3, "ids3")]  # 5 x 0.01 s reach 0.05 s
+    assert seconds == pytest.approx(0.002)
 
 
 def test_unknown_formats_are_refused():
