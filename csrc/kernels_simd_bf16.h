@@ -182,25 +182,12 @@ void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activatio
   if constexpr (F == WFormat::FP8) set_nan_rows(w, r0, r1, M, y, ldy);
 }
 
-// One or two tokens against fp8 rows of this many bytes and more: tiles of 2 rows rather than 4. Two rows read at
-// once (and the next tile's two prefetched) stream from memory nearly as fast as a plain read, four do not (Zen 5,
-// one thread, 400 MB read-only: 2 rows 0.79-1.06 of the plain read, 4 rows with the next tile prefetched
-// 0.63-0.79); with one or two tokens the tile's arithmetic is not what limits it. Measured 2026-12-02 on Zen 5
-// (benchmarks/gemv_ab.sh, one thread, 4 -> 2 rows): fp8 2048 x 7168 1.10-1.19x at one token (6 runs, subnormal
-// codes at a checkpoint's rate) and 1.05-1.15x at two, but 0.82-0.83x at three and 0.90-0.93x at four; 4096 x
-// 3072 1.07-1.15x at one, 1.00-1.02x at two; 2048 x 4096 0.99-1.00x and 768 x 2048 0.96-0.98x at one (hence the
-// bound). The MoE at DeepSeek-V3 shapes, 2 threads, 2-row tiles against 4-row ones alternating in one process,
-// medians of 6 rounds: T = 1 1.04x, T = 4 1.06x, T = 16 1.03x (0.81-1.15x round by round), where the two threads
-// share the host's read limit. bf16 rows did not gain in the MoE (DeepSeek-V3 0.92-0.99x) and keep 4-row tiles.
-constexpr I64 kTwoRowTileMinBytes = 3 << 10;
-constexpr I64 kTwoRowTileMaxTokens = 2;
-
 template <class V, WFormat F>
 void matmul_bf16_dot_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
   const I64 activation_bytes = x.m * w.cols * I64{sizeof(uint16_t)};
-  if (F == WFormat::FP8 && x.m <= kTwoRowTileMaxTokens && w.row_bytes >= kTwoRowTileMinBytes) {
-    return with_next_rows<V, Gemv::Float, 2>(w.row_bytes, x.m, activation_bytes, [&](auto tag) {
-      matmul_bf16_dot_gemv_tiles<V, F, 2, decltype(tag)::kPolicy>(w, r0, r1, x, y, ldy);
+  if (one_row_tiles<V, F>(x.m, w.row_bytes, true)) {
+    return with_next_rows<V, Gemv::Float, 1>(w.row_bytes, x.m, activation_bytes, [&](auto tag) {
+      matmul_bf16_dot_gemv_tiles<V, F, 1, decltype(tag)::kPolicy>(w, r0, r1, x, y, ldy);
     });
   }
   with_next_rows<V, Gemv::Float, 4>(w.row_bytes, x.m, activation_bytes, [&](auto tag) {

@@ -125,6 +125,26 @@ inline const uint8_t* next_tile_rows(const Matrix& w, I64 r, I64 r1, I64 R, I64 
   return r + 2 * R <= r1 && w.row_bytes == row_read_bytes ? w.data + (r + R) * w.row_bytes : nullptr;
 }
 
+// GEMV tiles of one row rather than 4 (or 3) for one token, and for fp8 two tokens with bf16 dot products, against
+// rows of kOneRowTileMinBytes and more (float formats: the float32 GEMV and the bf16 dot-product GEMV). One row
+// at a time reads the matrix as one sequential stream, about as fast as a plain read; four rows read at once (four
+// streams, even with the next tile prefetched) do not keep up on Zen 5 (one thread, 400 MB read-only: 4 rows
+// 0.63-0.79 of the plain read), and with so few tokens the tile's arithmetic is not what limits it. Where it is
+// the one-row tile loses: shorter rows (its fixed cost per row: horizontal sums, stores, the fp8 column-range
+// setup), bf16 at two tokens, fp8 in the float32 GEMV at two tokens (its decode costs 3 operations a vector) and
+// on AVX2 (half the arithmetic per instruction) at any. Measured 2026-12-03 on Zen 5: "One-row GEMV tiles" in
+// docs/kernels.md.
+constexpr I64 kOneRowTileMinBytes = 3 << 10;
+
+// Whether vocabulary V's GEMV (bf16_dot: the bf16 dot-product GEMV, else the float32 one) of `tokens` tokens
+// over rows of row_bytes in format F takes one-row tiles.
+template <class V, WFormat F>
+inline bool one_row_tiles(I64 tokens, I64 row_bytes, bool bf16_dot) {
+  if (row_bytes < kOneRowTileMinBytes) return false;
+  if (F == WFormat::FP8) return bf16_dot ? tokens <= 2 : tokens == 1 && V::W >= 16;
+  return tokens == 1;
+}
+
 // A per-thread scratch buffer of at least n floats (grows, never shrinks).
 inline float* scratch_floats(I64 n) {
   static thread_local float* buf = nullptr;

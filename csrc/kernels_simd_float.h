@@ -201,17 +201,19 @@ HM_TILE_INLINE void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_row
 // The token tiles of an R-row GEMV tile: fn(TokenTile<MT>{}, m) for tiles of MT tokens from token m. Each weight
 // vector is decoded once per token tile, so wider tiles decode less; a tile keeps R x MT accumulators (12 FMA
 // chains at most). 4-row tiles take tokens three at a time, two where three would leave a single token behind;
-// 3-row tiles four at a time, then 3 + 2 for five left, else what is left.
+// 3-row tiles four at a time, then 3 + 2 for five left, else what is left; one-row tiles (one_row_tiles) one.
 template <int MT>
 struct TokenTile {
   static constexpr int kTokens = MT;
 };
 template <int R, class Fn>
 HM_TILE_INLINE void for_each_token_tile(I64 M, Fn&& fn) {
-  static_assert(R == 3 || R == 4, "GEMV tiles have 3 or 4 rows");
+  static_assert(R == 1 || R == 3 || R == 4, "GEMV tiles have 1, 3 or 4 rows");
   for (I64 m = 0; m < M;) {
     const I64 left = M - m;
-    if constexpr (R == 3) {
+    if constexpr (R == 1) {  // one_row_tiles: one token
+      fn(TokenTile<1>{}, m), m += 1;
+    } else if constexpr (R == 3) {
       if (left >= 4 && left != 5) fn(TokenTile<4>{}, m), m += 4;
       else if (left >= 3) fn(TokenTile<3>{}, m), m += 3;
       else if (left == 2) fn(TokenTile<2>{}, m), m += 2;
@@ -384,6 +386,7 @@ void matmul_fp_gemv_rows(const Matrix& w, I64 r0, I64 r1, const Activations& x, 
 
 template <class V, WFormat F>
 void matmul_fp_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
+  if (one_row_tiles<V, F>(x.m, w.row_bytes, false)) return matmul_fp_gemv_rows<V, F, 1>(w, r0, r1, x, y, ldy);
   if constexpr (kThreeRowGemvTiles<V>)  // not instantiated where never taken
     if (gemv_tile_rows<V, F>(x.m, w.row_bytes) == 3) return matmul_fp_gemv_rows<V, F, 3>(w, r0, r1, x, y, ldy);
   matmul_fp_gemv_rows<V, F, 4>(w, r0, r1, x, y, ldy);

@@ -174,10 +174,10 @@ def test_gemv_rows_of_3_kb_and_more(each_isa, fmt, cols):
     """Rows of >= 3 KB prefetch the next tile into L2, of >= 4 KB as one stream a row (NextRows); several tiles,
     a short last one, partial last vectors and (fp8) a partial last block and a block with a subnormal code
     (the exact decode beside the fast one). 4, 8 and 10 tokens: 3-row tiles on AVX2, for fp8 from 8 tokens only
-    with rows of >= 4 KB (gemv_tile_rows); fp8 at 1-2 tokens with bf16 dot products: 2-row tiles
-    (kTwoRowTileMinBytes)."""
+    with rows of >= 4 KB (gemv_tile_rows); one token (and fp8 with bf16 dot products at two, fp8 in the float32
+    GEMV only on AVX-512): one-row tiles (one_row_tiles), over fp8 rows of two row blocks."""
     gen = torch.Generator().manual_seed(seed(fmt, cols, each_isa))
-    rows = 21
+    rows = 133 if fmt == "fp8" else 21
     if fmt == "fp8":
         q, s = random_fp8(rows, cols, (128, 128), gen, normal_only=True)
         codes = q.view(torch.uint8).clone()
@@ -262,8 +262,8 @@ def test_amx_runs_fewer_tokens_and_other_formats_as_avx512(fmt):
 @pytest.mark.parametrize("cols", [300, 3300])
 @pytest.mark.parametrize("tokens,path", [(1, "gemv"), (2, "gemv"), (9, "gemm")])
 def test_fp8_nan_codes_give_nan_rows(each_isa, tokens, path, cols):
-    """Rows with a NaN code give NaN for every token; 3300 columns: one or two tokens take 2-row tiles with
-    bf16 dot products (kTwoRowTileMinBytes)."""
+    """Rows with a NaN code give NaN for every token; 3300 columns: one token takes one-row tiles, and two
+    with bf16 dot products (one_row_tiles)."""
     gen = torch.Generator().manual_seed(11)
     q, s = random_fp8(50, cols, (128, 128), gen)
     codes = q.view(torch.uint8).clone()
