@@ -329,11 +329,13 @@ void matmul_int4_g32(const Matrix& w, I64 r0, I64 r1, const Activations& x, floa
 }
 
 // One token against int8 rows of this many bytes and more: two tiles of 2 rows rather than one of 4 (their rows
-// stream from memory faster; see kTwoRowTileMinBytes in kernels_simd_bf16.h). Measured 2026-12-02 on Zen 5: one
+// stream from memory faster; see one_row_tiles in kernels_simd_common.h). Measured 2026-12-02 on Zen 5: one
 // thread (benchmarks/gemv_ab.sh, int8 2048 x 7168) 1.15-1.17x with groups of 32 (the avx2 table: 1.09-1.12x),
 // 1.03-1.07x with groups of 128; the MoE at DeepSeek-V3 shapes
 // (groups of 32), 2 threads, both kinds alternating in one process, medians of 6 rounds: 1.09x at T = 1, 1.07x
-// at T = 4. int4 rows (groups of 128, 3.5 KB) read 0.96-0.99x one thread and keep 4-row tiles.
+// at T = 4. int4 rows (groups of 128, 3.5 KB) read 0.96-0.99x one thread and keep 4-row tiles. One-row int8 tiles
+// (2026-12-03, two float accumulator chains) read 0.99x / 1.10x (groups of 32 / 128) against these at 7 KB and
+// 0.77-0.83x at 3 KB, one thread, and were not kept.
 constexpr I64 kInt8TwoRowTileMinBytes = 3 << 10;
 
 template <class V, WFormat F, ScaleType ST, int kChunks, NextRows P>
