@@ -168,7 +168,7 @@ void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activatio
         scale_activations_bf16<V>(w, srow, x, kFp8ExactUnscale, buf + M * ld, ld, exact_rows);
         exact_ready = true;
       }
-      const uint8_t* next = next_tile_rows(w, r, r1, R, K * B);
+      const uint8_t* next = next_tile_rows(w, r, r1, R, K * B, true);
       for_each_token_tile_upto<V::kBf16Tokens>(M, [&](auto tile, I64 m) HM_TILE_LAMBDA {
         constexpr int MT = decltype(tile)::kTokens;
         float o[R][MT];

@@ -118,11 +118,32 @@ HM_TILE_INLINE void prefetch_next(const uint8_t* next, I64 stride, I64 pos) {
   }
 }
 
-// The R rows after the tile starting at row r, to prefetch while the tile is read, or nullptr: only when they
-// lie within the task's rows [.., r1) and are stored back to back (row_bytes == row_read_bytes, the bytes a
-// tile reads per row), since the prefetches take them as R back-to-back rows.
-inline const uint8_t* next_tile_rows(const Matrix& w, I64 r, I64 r1, I64 R, I64 row_read_bytes) {
-  return r + 2 * R <= r1 && w.row_bytes == row_read_bytes ? w.data + (r + R) * w.row_bytes : nullptr;
+// Bytes of rows between a GEMV tile and the tile it prefetches, for rows under kPrefetchL2MinBytes where the
+// prefetch reaches ahead (`far`: one token in every GEMV, any tokens in the bf16 dot-product GEMV): the tile that
+// starts this many bytes of rows later (at least the next one). Short rows' next tile is too near for its lines to
+// arrive in time: 4 rows of 384-768 bytes are read in 50-100 ns, about one memory latency. Measured 2026-12-03 on
+// Zen 5 (benchmarks/gemv_ab.sh, one thread, rows from memory, against the next tile; one token unless said): int4
+// 2048 x 768 (groups of 32, 384 B rows) 1.36-1.49x, groups of 128 1.16x; int4 768 x 2048 (1 KB rows) 1.10x; int8
+// 768 B rows 1.13-1.18x; fp8 768 B rows with bf16 dot products 1.09-1.22x, 1.06-1.24x at 2-8 tokens; 4 KB ahead
+// gave int4 384 B rows 1.18x, 16 KB 1.43x, fp8 768 B rows 1.15x, 32 KB less. Where the tile's arithmetic limits
+// it, reaching ahead did not pay (int at 4-8 tokens 0.91-0.96x, fp8 at 4 tokens in the AVX2 float32 GEMV 0.85x);
+// one-row tiles of 4 KB rows read 0.95x with the row after next. The MoE at Qwen3-30B-A3B shapes (2 threads, both
+// ways alternating in one process, medians of 6 rounds): fp8 1.04x at T = 1, 1.05x at T = 4; int4 1.06x / 1.04x;
+// int8 1.06x at T = 1; bf16 (1.5 KB down rows, float32 GEMV) 0.99-1.02x.
+constexpr I64 kPrefetchAheadBytes = 8 << 10;
+
+// Rows from a tile of R rows to the first row of the tile it prefetches (see kPrefetchAheadBytes).
+inline I64 prefetch_ahead_rows(const Matrix& w, I64 R, bool far) {
+  return far && w.row_bytes < kPrefetchL2MinBytes ? imax(1, kPrefetchAheadBytes / (R * w.row_bytes)) * R : R;
+}
+
+// The R rows of the tile prefetch_ahead_rows after the tile starting at row r (the next one unless `far`), to
+// prefetch while the tile is read, or nullptr: only when they lie within the task's rows [.., r1) and are stored
+// back to back (row_bytes == row_read_bytes, the bytes a tile reads per row), since the prefetches take them as R
+// back-to-back rows.
+inline const uint8_t* next_tile_rows(const Matrix& w, I64 r, I64 r1, I64 R, I64 row_read_bytes, bool far) {
+  const I64 ahead = prefetch_ahead_rows(w, R, far);
+  return r + ahead + R <= r1 && w.row_bytes == row_read_bytes ? w.data + (r + ahead) * w.row_bytes : nullptr;
 }
 
 // GEMV tiles of one row rather than 4 (or 3) for one token, and for fp8 two tokens with bf16 dot products, against

@@ -116,8 +116,9 @@ HM_TILE_INLINE void int_tile(const uint8_t* const* rowp, const uint16_t* const* 
 }
 
 // The 4-row tile of int rows [r, r + 4) within [.., r1): row and scale pointers (a short tile repeats its last
-// row, not stored), the rows stored, and the next tile's rows for the GEMV path to prefetch (nullptr: none;
-// their group scales are prefetched here: a stream of their own, which prefetchers pick up late).
+// row, not stored), the rows stored, and the rows of the tile the GEMV path prefetches (next_tile_rows: the next
+// tile, or further ahead where `far`; nullptr: none; their group scales are prefetched here: a stream of their own,
+// which prefetchers pick up late).
 struct IntRowTile {
   const uint8_t* rowp[4];
   const uint16_t* srow[4];
@@ -125,7 +126,7 @@ struct IntRowTile {
   const uint8_t* next;
 };
 
-inline IntRowTile int_row_tile(const Matrix& w, I64 r, I64 r1, bool gemm, I64 row_read_bytes) {
+inline IntRowTile int_row_tile(const Matrix& w, I64 r, I64 r1, bool gemm, I64 row_read_bytes, bool far) {
   const uint16_t* scales = static_cast<const uint16_t*>(w.scales);
   IntRowTile t;
   for (int i = 0; i < 4; ++i) {
@@ -134,10 +135,11 @@ inline IntRowTile int_row_tile(const Matrix& w, I64 r, I64 r1, bool gemm, I64 ro
     t.srow[i] = scales + ri * w.scale_stride;
   }
   t.valid = imin(4, r1 - r);
-  t.next = gemm ? nullptr : next_tile_rows(w, r, r1, 4, row_read_bytes);
+  t.next = gemm ? nullptr : next_tile_rows(w, r, r1, 4, row_read_bytes, far);
   if (t.next)
     for (I64 off = 0; off < 4 * w.scale_stride * 2; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(scales + (r + 4) * w.scale_stride) + off, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(scales + (r + prefetch_ahead_rows(w, 4, far)) * w.scale_stride) + off,
+                   _MM_HINT_T0);
   return t;
 }
 
@@ -304,7 +306,7 @@ void matmul_int4_g32(const Matrix& w, I64 r0, I64 r1, const Activations& x, floa
     const I64 o1 = imin(o0 + oc, octs);
     const bool first = o0 == 0;
     for (I64 r = r0; r < r1; r += 4) {
-      const IntRowTile tile = int_row_tile(w, r, r1, gemm, w.padded_cols / 2);
+      const IntRowTile tile = int_row_tile(w, r, r1, gemm, w.padded_cols / 2, M == 1);
       const I64 row0 = r - r0;
       I64 m = 0;
       for (; m + 2 <= M; m += 2) {
@@ -348,7 +350,8 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
     const I64 g1 = imin(g0 + gc, groups);
     const bool first = g0 == 0;
     for (I64 r = r0; r < r1; r += 4) {
-      const IntRowTile tile = int_row_tile(w, r, r1, gemm, F == WFormat::INT4 ? w.padded_cols / 2 : w.padded_cols);
+      const IntRowTile tile =
+          int_row_tile(w, r, r1, gemm, F == WFormat::INT4 ? w.padded_cols / 2 : w.padded_cols, M == 1);
       const I64 row0 = r - r0;
       I64 m = 0;
       for (; m + 4 <= M; m += 4) {
@@ -384,7 +387,8 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
         if (two_row_tiles) {
           for (int i = 0; i < 4; i += 2) {
             float o[2][1];
-            // the next 2 rows: this row tile's last two, then the next row tile's first two
+            // the next 2 rows: this row tile's last two, then the prefetched row tile's first two (rows this long: the
+            // next row tile)
             const uint8_t* next = tile.next ? (i == 0 ? tile.rowp[2] : tile.next) : nullptr;
             int_tile<V, F, ST, kChunks, 2, 1, P>(tile.rowp + i, tile.srow + i, g0, g1, xq, xs, xsum, o, next);
             store_tile<2, 1>(y, ldy, m, row0 + i, tile.valid - i, first, o);
