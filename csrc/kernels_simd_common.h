@@ -146,24 +146,26 @@ inline const uint8_t* next_tile_rows(const Matrix& w, I64 r, I64 r1, I64 R, I64 
   return r + ahead + R <= r1 && w.row_bytes == row_read_bytes ? w.data + (r + ahead) * w.row_bytes : nullptr;
 }
 
-// GEMV tiles of one row rather than 4 (or 3) for one token, and for fp8 two tokens with bf16 dot products, against
-// rows of kOneRowTileMinBytes and more (float formats: the float32 GEMV and the bf16 dot-product GEMV). One row
-// at a time reads the matrix as one sequential stream, about as fast as a plain read; four rows read at once (four
-// streams, even with the next tile prefetched) do not keep up on Zen 5 (one thread, 400 MB read-only: 4 rows
-// 0.63-0.79 of the plain read), and with so few tokens the tile's arithmetic is not what limits it. Where it is
-// the one-row tile loses: shorter rows (its fixed cost per row: horizontal sums, stores, the fp8 column-range
-// setup), bf16 at two tokens, fp8 in the float32 GEMV at two tokens (its decode costs 3 operations a vector) and
-// on AVX2 (half the arithmetic per instruction) at any. Measured 2026-12-03 on Zen 5: "One-row GEMV tiles" in
-// docs/kernels.md.
-constexpr I64 kOneRowTileMinBytes = 3 << 10;
+// GEMV tiles of one row rather than 4 (or 3) for one token against rows of kOneRowTileMinBytes and more (float
+// formats: the float32 GEMV and the bf16 dot-product GEMV); fp8 with bf16 dot products from twice that, at one or
+// two tokens; fp8 in the float32 GEMV from three times that, on AVX-512 only. One row at a time reads the matrix
+// as one sequential stream, about as fast as a plain read; four rows read at once (four streams, even with the
+// next tile prefetched) do not keep up on Zen 5 (one thread, 400 MB read-only: 4 rows 0.63-0.79 of the plain
+// read), and with so few tokens the tile's arithmetic is not what limits it. Where it is, the one-row tile loses:
+// shorter rows (its fixed cost per row: horizontal sums, stores, the fp8 column-range setup), bf16 at two tokens,
+// fp8 in the float32 GEMV at two tokens or under 3 KB (its decode costs 3 operations a vector) and on AVX2 (half
+// the arithmetic per instruction). Rows under 3 KB need the prefetch that reaches ahead (kPrefetchAheadBytes): with
+// the next row only, one-row tiles of 2 KB fp8 rows read 0.93-0.96x. Measured 2026-12-03 on Zen 5: "One-row GEMV
+// tiles, measured" in docs/kernels.md.
+constexpr I64 kOneRowTileMinBytes = 1 << 10;
 
 // Whether vocabulary V's GEMV (bf16_dot: the bf16 dot-product GEMV, else the float32 one) of `tokens` tokens
 // over rows of row_bytes in format F takes one-row tiles.
 template <class V, WFormat F>
 inline bool one_row_tiles(I64 tokens, I64 row_bytes, bool bf16_dot) {
-  if (row_bytes < kOneRowTileMinBytes) return false;
-  if (F == WFormat::FP8) return bf16_dot ? tokens <= 2 : tokens == 1 && V::W >= 16;
-  return tokens == 1;
+  if (F != WFormat::FP8) return tokens == 1 && row_bytes >= kOneRowTileMinBytes;
+  if (bf16_dot) return tokens <= 2 && row_bytes >= 2 * kOneRowTileMinBytes;
+  return tokens == 1 && V::W >= 16 && row_bytes >= 3 * kOneRowTileMinBytes;
 }
 
 // A per-thread scratch buffer of at least n floats (grows, never shrinks).

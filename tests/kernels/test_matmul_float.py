@@ -169,13 +169,15 @@ def test_fp8_runs_of_exact_and_fast_blocks(each_isa):
 
 
 @pytest.mark.parametrize("fmt,cols", [("f32", 1600), ("bf16", 3100), ("f16", 3100), ("fp8", 6150), ("bf16", 1700),
-                                      ("fp8", 3500)])
-def test_gemv_rows_of_3_kb_and_more(each_isa, fmt, cols):
+                                      ("fp8", 3500), ("f32", 300), ("bf16", 600), ("fp8", 2100), ("fp8", 1500)])
+def test_gemv_rows_of_1_kb_and_more(each_isa, fmt, cols):
     """Rows of >= 3 KB prefetch the next tile into L2, of >= 4 KB as one stream a row (NextRows); several tiles,
     a short last one, partial last vectors and (fp8) a partial last block and a block with a subnormal code
     (the exact decode beside the fast one). 4, 8 and 10 tokens: 3-row tiles on AVX2, for fp8 from 8 tokens only
-    with rows of >= 4 KB (gemv_tile_rows); one token (and fp8 with bf16 dot products at two, fp8 in the float32
-    GEMV only on AVX-512): one-row tiles (one_row_tiles), over fp8 rows of two row blocks."""
+    with rows of >= 4 KB (gemv_tile_rows). One token against rows of >= 1 KB: one-row tiles (one_row_tiles;
+    fp8 with bf16 dot products from 2 KB, also at two tokens; fp8 in the float32 GEMV from 3 KB, on AVX-512
+    only), over fp8 rows of two row blocks; rows under 3 KB prefetch the tile 8 KB ahead
+    (kPrefetchAheadBytes)."""
     gen = torch.Generator().manual_seed(seed(fmt, cols, each_isa))
     rows = 133 if fmt == "fp8" else 21
     if fmt == "fp8":
