@@ -150,6 +150,7 @@ void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activatio
   const uint16_t* exact_rows[kMaxGemvTokens] = {};
   uint16_t* buf = reinterpret_cast<uint16_t*>(scratch_floats(M * ld));  // two bf16 copies: fast, exact
   const float output_scale = F == WFormat::FP8 ? kFp8NormalOutput : 1.0f;
+  const I64 ahead = prefetch_ahead_rows(w, R, true);
   for (I64 s0 = r0; s0 < r1;) {
     const I64 s1 = segment_end(w, s0, r1);  // bf16: all rows; fp8: the rows of one scale row block
     const float* srow;
@@ -168,7 +169,7 @@ void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activatio
         scale_activations_bf16<V>(w, srow, x, kFp8ExactUnscale, buf + M * ld, ld, exact_rows);
         exact_ready = true;
       }
-      const uint8_t* next = next_tile_rows(w, r, r1, R, K * B, true);
+      const uint8_t* next = next_tile_rows(w, r, r1, R, K * B, ahead);
       for_each_token_tile_upto<V::kBf16Tokens>(M, [&](auto tile, I64 m) HM_TILE_LAMBDA {
         constexpr int MT = decltype(tile)::kTokens;
         float o[R][MT];

@@ -137,12 +137,11 @@ inline I64 prefetch_ahead_rows(const Matrix& w, I64 R, bool far) {
   return far && w.row_bytes < kPrefetchL2MinBytes ? imax(1, kPrefetchAheadBytes / (R * w.row_bytes)) * R : R;
 }
 
-// The R rows of the tile prefetch_ahead_rows after the tile starting at row r (the next one unless `far`), to
-// prefetch while the tile is read, or nullptr: only when they lie within the task's rows [.., r1) and are stored
-// back to back (row_bytes == row_read_bytes, the bytes a tile reads per row), since the prefetches take them as R
-// back-to-back rows.
-inline const uint8_t* next_tile_rows(const Matrix& w, I64 r, I64 r1, I64 R, I64 row_read_bytes, bool far) {
-  const I64 ahead = prefetch_ahead_rows(w, R, far);
+// The R rows of the tile `ahead` rows after the tile starting at row r (prefetch_ahead_rows, taken once per call),
+// to prefetch while the tile is read, or nullptr: only when they lie within the task's rows [.., r1) and are
+// stored back to back (row_bytes == row_read_bytes, the bytes a tile reads per row), since the prefetches take
+// them as R back-to-back rows.
+inline const uint8_t* next_tile_rows(const Matrix& w, I64 r, I64 r1, I64 R, I64 row_read_bytes, I64 ahead) {
   return r + ahead + R <= r1 && w.row_bytes == row_read_bytes ? w.data + (r + ahead) * w.row_bytes : nullptr;
 }
 

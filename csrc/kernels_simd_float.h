@@ -346,11 +346,12 @@ void matmul_fp_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x,
   const float* xrows[kMaxGemvTokens];
   const float* exact_rows[kMaxGemvTokens] = {};
   for (I64 m = 0; m < M; ++m) xrows[m] = x_row(x, m);
+  const I64 ahead = prefetch_ahead_rows(w, R, M == 1);
   if constexpr (F != WFormat::FP8) {
     for (I64 r = r0; r < r1; r += R) {
       const uint8_t* rowp[R];
       for (int i = 0; i < R; ++i) rowp[i] = w.data + imin(r + i, r1 - 1) * w.row_bytes;  // short tile: repeat
-      const uint8_t* next = next_tile_rows(w, r, r1, R, K * bytes_per_weight<F>(), M == 1);
+      const uint8_t* next = next_tile_rows(w, r, r1, R, K * bytes_per_weight<F>(), ahead);
       row_tile_all_tokens<V, F, R, P>(rowp, K, xrows, M, y, ldy, r - r0, imin(R, r1 - r), next);
     }
     return;
@@ -368,7 +369,7 @@ void matmul_fp_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x,
         rows[i] = imin(r + i, s1 - 1);  // a short tile repeats its last row (not stored)
         rowp[i] = w.data + rows[i] * w.row_bytes;
       }
-      const uint8_t* next = next_tile_rows(w, r, r1, R, K, M == 1);
+      const uint8_t* next = next_tile_rows(w, r, r1, R, K, ahead);
       fp8_row_tile_all_tokens<V, R, P>(w, rowp, rows, fast ? xrows : nullptr, exact_rows, M, y, ldy, r - r0,
                                        imin(R, s1 - r), next);
     }

@@ -117,8 +117,8 @@ HM_TILE_INLINE void int_tile(const uint8_t* const* rowp, const uint16_t* const* 
 
 // The 4-row tile of int rows [r, r + 4) within [.., r1): row and scale pointers (a short tile repeats its last
 // row, not stored), the rows stored, and the rows of the tile the GEMV path prefetches (next_tile_rows: the next
-// tile, or further ahead where `far`; nullptr: none; their group scales are prefetched here: a stream of their own,
-// which prefetchers pick up late).
+// tile, or `ahead` rows on: prefetch_ahead_rows; nullptr: none; their group scales are prefetched here: a stream of
+// their own, which prefetchers pick up late).
 struct IntRowTile {
   const uint8_t* rowp[4];
   const uint16_t* srow[4];
@@ -126,7 +126,7 @@ struct IntRowTile {
   const uint8_t* next;
 };
 
-inline IntRowTile int_row_tile(const Matrix& w, I64 r, I64 r1, bool gemm, I64 row_read_bytes, bool far) {
+inline IntRowTile int_row_tile(const Matrix& w, I64 r, I64 r1, bool gemm, I64 row_read_bytes, I64 ahead) {
   const uint16_t* scales = static_cast<const uint16_t*>(w.scales);
   IntRowTile t;
   for (int i = 0; i < 4; ++i) {
@@ -135,11 +135,10 @@ inline IntRowTile int_row_tile(const Matrix& w, I64 r, I64 r1, bool gemm, I64 ro
     t.srow[i] = scales + ri * w.scale_stride;
   }
   t.valid = imin(4, r1 - r);
-  t.next = gemm ? nullptr : next_tile_rows(w, r, r1, 4, row_read_bytes, far);
+  t.next = gemm ? nullptr : next_tile_rows(w, r, r1, 4, row_read_bytes, ahead);
   if (t.next)
     for (I64 off = 0; off < 4 * w.scale_stride * 2; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(scales + (r + prefetch_ahead_rows(w, 4, far)) * w.scale_stride) + off,
-                   _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(scales + (r + ahead) * w.scale_stride) + off, _MM_HINT_T0);
   return t;
 }
 
@@ -300,13 +299,14 @@ void matmul_int4_g32(const Matrix& w, I64 r0, I64 r1, const Activations& x, floa
   const I64 M = x.m, groups = w.padded_cols / 32, octs = (groups + 7) / 8;
   const I64 oc = gemm ? kGemmChunkK / 256 : octs;
   const OctActivations acts = oct_activations(x, groups);
+  const I64 ahead = prefetch_ahead_rows(w, 4, M == 1);
   auto table = [&](I64 m) { return acts.tables + m * octs * kOctFloats; };
   auto q_pairs = [&](I64 m) { return acts.q + m * acts.ldq; };
   for (I64 o0 = 0; o0 < octs; o0 += oc) {
     const I64 o1 = imin(o0 + oc, octs);
     const bool first = o0 == 0;
     for (I64 r = r0; r < r1; r += 4) {
-      const IntRowTile tile = int_row_tile(w, r, r1, gemm, w.padded_cols / 2, M == 1);
+      const IntRowTile tile = int_row_tile(w, r, r1, gemm, w.padded_cols / 2, ahead);
       const I64 row0 = r - r0;
       I64 m = 0;
       for (; m + 2 <= M; m += 2) {
@@ -345,13 +345,14 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
   const I64 M = x.m, groups = w.padded_cols / w.group;
   const I64 gc = gemm ? imax(1, kGemmChunkK / w.group) : groups;
   constexpr int kWideRows = kChunks == 1 ? 2 : 1;  // rows of the 4-token tile (int accumulators cost registers)
+  const I64 ahead = prefetch_ahead_rows(w, 4, M == 1);
   const bool two_row_tiles = F == WFormat::INT8 && M == 1 && !gemm && w.row_bytes >= kInt8TwoRowTileMinBytes;
   for (I64 g0 = 0; g0 < groups; g0 += gc) {
     const I64 g1 = imin(g0 + gc, groups);
     const bool first = g0 == 0;
     for (I64 r = r0; r < r1; r += 4) {
       const IntRowTile tile =
-          int_row_tile(w, r, r1, gemm, F == WFormat::INT4 ? w.padded_cols / 2 : w.padded_cols, M == 1);
+          int_row_tile(w, r, r1, gemm, F == WFormat::INT4 ? w.padded_cols / 2 : w.padded_cols, ahead);
       const I64 row0 = r - r0;
       I64 m = 0;
       for (; m + 4 <= M; m += 4) {
