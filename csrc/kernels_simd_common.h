@@ -167,6 +167,36 @@ inline bool one_row_tiles(I64 tokens, I64 row_bytes, bool bf16_dot) {
   return tokens == 1 && V::W >= 16 && row_bytes >= 3 * kOneRowTileMinBytes;
 }
 
+// A register tile's token count, as a type (the token-tile helpers pass it to their callbacks).
+template <int MT>
+struct TokenTile {
+  static constexpr int kTokens = MT;
+};
+
+// fn(TokenTile<n>{}, m) for n = the first of MT, MT - 1, ..., 1 that equals `tokens`.
+template <int MT, class Fn>
+HM_TILE_INLINE void token_tile_of(I64 tokens, I64 m, Fn& fn) {
+  if constexpr (MT == 1) {
+    fn(TokenTile<1>{}, m);
+  } else {
+    if (tokens == MT) fn(TokenTile<MT>{}, m);
+    else token_tile_of<MT - 1>(tokens, m, fn);
+  }
+}
+
+// As few token tiles of up to MaxMT tokens as cover M tokens, of balanced sizes (8 = 4 + 4, 13 = 5 + 4 + 4; each
+// decoded weight vector serves a whole tile). Against MaxMT-token tiles and a remainder (6 + 2, 6 + 6 + 1),
+// one thread, 7-16 tokens: 1.00-1.10x (measured 0.88-0.96x before the tile helpers were forced inline).
+template <int MaxMT, class Fn>
+HM_TILE_INLINE void for_each_token_tile_upto(I64 M, Fn&& fn) {
+  const I64 tiles = (M + MaxMT - 1) / MaxMT;
+  for (I64 t = 0, m = 0; t < tiles; ++t) {
+    const I64 n = (M - m + tiles - t - 1) / (tiles - t);  // the tokens left, shared by the tiles left
+    token_tile_of<MaxMT>(n, m, fn);
+    m += n;
+  }
+}
+
 // A per-thread scratch buffer of at least n floats (grows, never shrinks).
 inline float* scratch_floats(I64 n) {
   static thread_local float* buf = nullptr;

@@ -202,10 +202,6 @@ HM_TILE_INLINE void store_tile(float* y, I64 ldy, I64 m, I64 row0, I64 valid_row
 // vector is decoded once per token tile, so wider tiles decode less; a tile keeps R x MT accumulators (12 FMA
 // chains at most). 4-row tiles take tokens three at a time, two where three would leave a single token behind;
 // 3-row tiles four at a time, then 3 + 2 for five left, else what is left; one-row tiles (one_row_tiles) one.
-template <int MT>
-struct TokenTile {
-  static constexpr int kTokens = MT;
-};
 template <int R, class Fn>
 HM_TILE_INLINE void for_each_token_tile(I64 M, Fn&& fn) {
   static_assert(R == 1 || R == 3 || R == 4, "GEMV tiles have 1, 3 or 4 rows");

@@ -292,6 +292,195 @@ HM_TILE_INLINE void int4_oct_tile(const uint8_t* const* rowp, const uint16_t* co
     for (int j = 0; j < MT; ++j) out[i][j] = hsum256(acc[i][j]);
 }
 
+#ifdef __AVX512VNNI__
+// ---- int4 / int8, group 32, 512-bit vectors (AVX-512 VNNI), two tokens and more: lane-scaled steps ---------------
+// A 64-byte step of a row holds whole groups: int4 four (128-bit lane l: group 4s + l, byte b of it elements b and
+// b + 16), int8 two (256-bit half h: group 2s + h). vpdpbusd against the tokens' activations in the same order
+// (int4: two of them, the low nibbles against elements 0-15 of the four groups, the high nibbles against 16-31;
+// int8: one, the weights offset by 128) leaves int32 partial sums of each group in its own lanes (int4 four, int8
+// eight), so that the scales apply lane by lane, with no horizontal adds: t = sums * xs + c (xs: the token's group
+// scales, c: its unsigned-offset correction -offset qsum / lanes, each in its group's lanes), acc += t * ws (ws:
+// the row's group scales in their lanes, one permute per row and step). Per step, row and token: int4 2 vpdpbusd,
+// int8 1, then a convert and two FMAs (the 256-bit steps: int4 8 vpdpbusd, 3 horizontal adds, a convert, a
+// multiply and two FMAs per 256 weights; int8 per group of 32 a vpdpbusd, a convert, a broadcast and an FMA).
+template <WFormat F>
+struct LaneSteps {
+  static constexpr I64 kGroups = F == WFormat::INT4 ? 4 : 2;       // groups per step
+  static constexpr I64 kLanes = 16 / kGroups;                       // int32 lanes per group
+  static constexpr I64 kActBytes = F == WFormat::INT4 ? 128 : 64;  // activation bytes per step and token
+  static constexpr float kOffset = F == WFormat::INT4 ? 8.0f : 128.0f;
+  static constexpr I64 kFloats = 32;  // table floats per step and token: 16 lanes' xs, then their c
+};
+
+// The tokens' activations as the steps read them, prepared once per call: tables[m * ldt + s * 32 ..] (xs and c of
+// step s; groups past the row's are 0) and q[m * ldq + s * kActBytes ..] the int8 activations of step s (int4: per
+// group elements 0-15, for the four groups, then their elements 16-31; int8 as they are), zero-padded to whole steps.
+struct LaneActivations {
+  const float* tables;
+  const int8_t* q;
+  I64 ldt, ldq;
+};
+
+template <WFormat F>
+inline LaneActivations lane_activations(const Activations& x, I64 groups) {
+  using S = LaneSteps<F>;
+  const I64 steps = (groups + S::kGroups - 1) / S::kGroups, ldt = steps * S::kFloats, ldq = steps * S::kActBytes;
+  float* tables = scratch_floats(x.m * (ldt + ldq / 4));
+  int8_t* q = reinterpret_cast<int8_t*>(tables + x.m * ldt);
+  for (I64 m = 0; m < x.m; ++m) {
+    const float* xs = qscale_row(x, m);
+    const float* xsum = qsum_row(x, m);
+    const int8_t* src = q_row(x, m);
+    float* t = tables + m * ldt;
+    int8_t* dst = q + m * ldq;
+    for (I64 g = 0; g < steps * S::kGroups; ++g) {
+      float* lanes = t + g / S::kGroups * S::kFloats + g % S::kGroups * S::kLanes;
+      const bool real = g < groups;
+      for (I64 l = 0; l < S::kLanes; ++l) {
+        lanes[l] = real ? xs[g] : 0.0f;
+        lanes[16 + l] = real ? -S::kOffset / S::kLanes * xsum[g] : 0.0f;
+      }
+      if constexpr (F == WFormat::INT4) {
+        int8_t* at = dst + g / 4 * 128 + g % 4 * 16;
+        std::memset(at, 0, 16);
+        std::memset(at + 64, 0, 16);
+        if (real) {
+          std::memcpy(at, src + 32 * g, 16);
+          std::memcpy(at + 64, src + 32 * g + 16, 16);
+        }
+      } else {
+        if (real) std::memcpy(dst + 32 * g, src + 32 * g, 32);
+        else std::memset(dst + 32 * g, 0, 32);
+      }
+    }
+  }
+  return {tables, q, ldt, ldq};
+}
+
+// A row's group scales of one step at p (int4 four, int8 two) -> 16 floats, each in its group's lanes.
+template <WFormat F, ScaleType ST>
+HM_TILE_INLINE __m512 lane_weight_scales(const uint16_t* p) {
+  const __m128i v = F == WFormat::INT4 ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))
+                                       : _mm_cvtsi32_si128(*reinterpret_cast<const int*>(p));
+  if constexpr (ST == ScaleType::BF16) {  // bf16 bits to the high half of each lane: the float itself
+    const __m512i idx = F == WFormat::INT4 ? _mm512_set_epi16(3, 0, 3, 0, 3, 0, 3, 0, 2, 0, 2, 0, 2, 0, 2, 0,
+                                                              1, 0, 1, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+                                           : _mm512_set_epi16(1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0,
+                                                              0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, _mm512_castsi128_si512(v)));
+  } else {
+    const __m512i idx = F == WFormat::INT4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                                           : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_cvtph_ps(v)));
+  }
+}
+
+// acc[i][j] += one step of R rows (64 bytes at w[i], their scales at s[i]) times MT tokens (kActBytes int8
+// activations at xq[j], 32 table floats at t[j]).
+template <WFormat F, ScaleType ST, int R, int MT>
+HM_TILE_INLINE void int_lane_step(const uint8_t* const* w, const uint16_t* const* s, const int8_t* const* xq,
+                                  const float* const* t, __m512 (&acc)[R][MT]) {
+  __m512i lo[R], hi[R];  // int4: the low and high nibbles; int8: lo the weights + 128
+  __m512 ws[R];
+  HM_UNROLL for (int i = 0; i < R; ++i) {
+    const __m512i v = _mm512_loadu_si512(w[i]);
+    if constexpr (F == WFormat::INT4) {
+      lo[i] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+      hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+    } else {
+      lo[i] = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+    }
+    ws[i] = lane_weight_scales<F, ST>(s[i]);
+  }
+  HM_UNROLL for (int j = 0; j < MT; ++j) {
+    const __m512i xlo = _mm512_loadu_si512(xq[j]);
+    const __m512 xs = _mm512_loadu_ps(t[j]), c = _mm512_loadu_ps(t[j] + 16);
+    HM_UNROLL for (int i = 0; i < R; ++i) {
+      __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], xlo);
+      if constexpr (F == WFormat::INT4) d = _mm512_dpbusd_epi32(d, hi[i], _mm512_loadu_si512(xq[j] + 64));
+      acc[i][j] = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xs, c), ws[i], acc[i][j]);
+    }
+  }
+}
+
+// out[i][j] = the R rows' dot products with MT tokens over steps [s0, s1) (`groups` in the whole row: a last
+// partial step goes through zero-padded copies of the weights and scales).
+template <WFormat F, ScaleType ST, int R, int MT, NextRows P>
+HM_TILE_INLINE void int_lane_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 s0, I64 s1,
+                                  I64 groups, const LaneActivations& acts, I64 m, float (&out)[R][MT],
+                                  const uint8_t* next) {
+  using S = LaneSteps<F>;
+  __m512 acc[R][MT];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
+  const I64 full = imin(s1, groups / S::kGroups);
+  const uint8_t* w[R];
+  const uint16_t* s[R];
+  const int8_t* xp[MT];
+  const float* t[MT];
+  auto tokens_at = [&](I64 step) HM_TILE_LAMBDA {
+    for (int j = 0; j < MT; ++j) {
+      xp[j] = acts.q + (m + j) * acts.ldq + step * S::kActBytes;
+      t[j] = acts.tables + (m + j) * acts.ldt + step * S::kFloats;
+    }
+  };
+  for (I64 st = s0; st < full; ++st) {
+    if (next) prefetch_next<P, R, 64>(next, 0, st * 64);
+    for (int i = 0; i < R; ++i) w[i] = rowp[i] + 64 * st, s[i] = srow[i] + S::kGroups * st;
+    tokens_at(st);
+    int_lane_step<F, ST, R, MT>(w, s, xp, t, acc);
+  }
+  if (full < s1) {
+    const I64 left = groups - S::kGroups * full;
+    alignas(64) uint8_t wpad[R][64] = {};
+    alignas(16) uint16_t spad[R][8] = {};
+    for (int i = 0; i < R; ++i) {
+      std::memcpy(wpad[i], rowp[i] + 64 * full, static_cast<size_t>(64 / S::kGroups * left));
+      std::memcpy(spad[i], srow[i] + S::kGroups * full, static_cast<size_t>(2 * left));
+      w[i] = wpad[i], s[i] = spad[i];
+    }
+    tokens_at(full);
+    int_lane_step<F, ST, R, MT>(w, s, xp, t, acc);
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < MT; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// The most tokens of a lane-step register tile of 4 rows: int4 keeps two weight vectors a row live (its nibbles),
+// and 4 x 4 tiles (16 accumulators, 12 row vectors) ran out of registers: one thread, int4 768 x 2048 in L3, 4 x 4
+// tiles at 4 tokens 1.5x the 256-bit kernel, 4 x 3 and 4 x 2 tiles 2.2x at 2-5 tokens; int8 (one vector a row)
+// at 4 tokens: 4 x 4 tiles 1.96x, 2 + 2 tokens 1.31x.
+template <WFormat F>
+constexpr int kLaneTileTokens = F == WFormat::INT4 ? 3 : 4;
+
+// int4 / int8 with groups of 32 at two tokens and more on AVX-512: register tiles of 4 rows x up to
+// kLaneTileTokens tokens (for_each_token_tile_upto); the GEMM path runs the same tiles over chunks of kGemmChunkK
+// elements. One token keeps the 256-bit kernels, whose tiles prefetch further ahead (memory-bound there: the lane
+// steps read int4 768-column rows at one token 0.70x from memory, 1.57x in L3).
+template <WFormat F, ScaleType ST, NextRows P>
+void matmul_int_g32_lanes(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
+  using S = LaneSteps<F>;
+  const I64 M = x.m, groups = w.padded_cols / 32, steps = (groups + S::kGroups - 1) / S::kGroups;
+  const I64 sc = gemm ? kGemmChunkK / (32 * S::kGroups) : steps;
+  const LaneActivations acts = lane_activations<F>(x, groups);
+  const I64 ahead = prefetch_ahead_rows(w, 4, false);
+  const I64 row_read_bytes = F == WFormat::INT4 ? w.padded_cols / 2 : w.padded_cols;
+  for (I64 s0 = 0; s0 < steps; s0 += sc) {
+    const I64 s1 = imin(s0 + sc, steps);
+    const bool first = s0 == 0;
+    for (I64 r = r0; r < r1; r += 4) {
+      const IntRowTile tile = int_row_tile(w, r, r1, gemm, row_read_bytes, ahead);
+      for_each_token_tile_upto<kLaneTileTokens<F>>(M, [&](auto mt, I64 m) HM_TILE_LAMBDA {
+        constexpr int MT = decltype(mt)::kTokens;
+        float o[4][MT];
+        int_lane_tile<F, ST, 4, MT, P>(tile.rowp, tile.srow, s0, s1, groups, acts, m, o, m == 0 ? tile.next : nullptr);
+        store_tile<4, MT>(y, ldy, m, r - r0, tile.valid, first, o);
+      });
+    }
+  }
+}
+#endif
+
 // int4 with groups of 32 (see int4_oct_step): tiles of 4 rows, tokens two at a time (2 x 2 register tiles), a
 // last single token over all 4 rows; the GEMM path runs the same tiles over chunks of kGemmChunkK elements.
 template <class V, ScaleType ST, NextRows P>
@@ -409,6 +598,9 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
 template <class V, WFormat F, ScaleType ST, NextRows P>
 void matmul_int_prefetching(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
   if (w.group != 32) matmul_int<V, F, ST, 4, P>(w, r0, r1, x, y, ldy, gemm);
+#ifdef __AVX512VNNI__
+  else if (V::W >= 16 && x.m >= 2) matmul_int_g32_lanes<F, ST, P>(w, r0, r1, x, y, ldy, gemm);
+#endif
   else if constexpr (F == WFormat::INT4) matmul_int4_g32<V, ST, P>(w, r0, r1, x, y, ldy, gemm);
   else matmul_int<V, F, ST, 1, P>(w, r0, r1, x, y, ldy, gemm);
 }
