@@ -360,8 +360,9 @@ inline LaneActivations lane_activations(const Activations& x, I64 groups) {
 // A row's group scales of one step at p (int4 four, int8 two) -> 16 floats, each in its group's lanes.
 template <WFormat F, ScaleType ST>
 HM_TILE_INLINE __m512 lane_weight_scales(const uint16_t* p) {
-  const __m128i v = F == WFormat::INT4 ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))
-                                       : _mm_cvtsi32_si128(*reinterpret_cast<const int*>(p));
+  int two = 0;  // int8: the step's two scales (4 bytes; 8 could read past the last row's)
+  if constexpr (F == WFormat::INT8) std::memcpy(&two, p, 4);
+  const __m128i v = F == WFormat::INT4 ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)) : _mm_cvtsi32_si128(two);
   if constexpr (ST == ScaleType::BF16) {  // bf16 bits to the high half of each lane: the float itself
     const __m512i idx = F == WFormat::INT4 ? _mm512_set_epi16(3, 0, 3, 0, 3, 0, 3, 0, 2, 0, 2, 0, 2, 0, 2, 0,
                                                               1, 0, 1, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0)
