@@ -1,5 +1,6 @@
 // The AVX-512 vector vocabulary for the templated kernels (kernels_simd.h): 16-float vectors for the float
-// formats, and AVX512-VNNI (vpdpbusd on 256-bit vectors) for the int4/int8 dot products.
+// formats, and AVX512-VNNI (vpdpbusd on 256-bit vectors) for the int4/int8 dot products of the shared int kernels
+// (the 512-bit lane steps of kernels_simd_int.h call the zmm intrinsics themselves).
 // Included only by the translation unit compiled with the AVX-512 flags.
 #pragma once
 
