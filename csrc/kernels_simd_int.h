@@ -457,17 +457,25 @@ HM_TILE_INLINE void int_lane_tile(const uint8_t* const* rowp, const uint16_t* co
 template <WFormat F>
 constexpr int kLaneTileTokens = F == WFormat::INT4 ? 3 : 4;
 
-// int4 / int8 with groups of 32 at two tokens and more on AVX-512: register tiles of 4 rows x up to
+// Tokens from which int4 / int8 with groups of 32 take the lane steps on AVX-512. int4 from one token, with the
+// prefetch that reaches ahead (prefetch_ahead_rows) there as in the 256-bit kernel: measured 2026-12-03 on Zen 5
+// (benchmarks/gemv_ab.sh, one thread, one token, against the 256-bit oct steps) 1.04-1.12x from memory and
+// 1.12-1.24x in L3 at 768-7168 columns (without the far prefetch 0.70x from memory); the MoE (2 threads,
+// in-process A/B) at DeepSeek-V3 shapes T = 1 1.08-1.10x, Qwen3 0.99-1.03x. int8 keeps the 256-bit kernel for one
+// token: 0.95-0.97x from memory at 768-2048 columns, 0.76x against its two-row tiles at 7168.
+template <WFormat F>
+constexpr I64 kLaneMinTokens = F == WFormat::INT4 ? 1 : 2;
+
+// int4 / int8 with groups of 32 from kLaneMinTokens tokens on AVX-512: register tiles of 4 rows x up to
 // kLaneTileTokens tokens (for_each_token_tile_upto); the GEMM path runs the same tiles over chunks of kGemmChunkK
-// elements. One token keeps the 256-bit kernels, whose tiles prefetch further ahead (memory-bound there: the lane
-// steps read int4 768-column rows at one token 0.70x from memory, 1.57x in L3).
+// elements.
 template <WFormat F, ScaleType ST, NextRows P>
 void matmul_int_g32_lanes(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
   using S = LaneSteps<F>;
   const I64 M = x.m, groups = w.padded_cols / 32, steps = (groups + S::kGroups - 1) / S::kGroups;
   const I64 sc = gemm ? kGemmChunkK / (32 * S::kGroups) : steps;
   const LaneActivations acts = lane_activations<F>(x, groups);
-  const I64 ahead = prefetch_ahead_rows(w, 4, false);
+  const I64 ahead = prefetch_ahead_rows(w, 4, M == 1);
   const I64 row_read_bytes = F == WFormat::INT4 ? w.padded_cols / 2 : w.padded_cols;
   for (I64 s0 = 0; s0 < steps; s0 += sc) {
     const I64 s1 = imin(s0 + sc, steps);
@@ -603,7 +611,7 @@ template <class V, WFormat F, ScaleType ST, NextRows P>
 void matmul_int_prefetching(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
   if (w.group != 32) matmul_int<V, F, ST, 4, P>(w, r0, r1, x, y, ldy, gemm);
 #ifdef __AVX512VNNI__
-  else if (V::W >= 16 && x.m >= 2) matmul_int_g32_lanes<F, ST, P>(w, r0, r1, x, y, ldy, gemm);
+  else if (V::W >= 16 && x.m >= kLaneMinTokens<F>) matmul_int_g32_lanes<F, ST, P>(w, r0, r1, x, y, ldy, gemm);
 #endif
   else if constexpr (F == WFormat::INT4) matmul_int4_g32<V, ST, P>(w, r0, r1, x, y, ldy, gemm);
   else matmul_int<V, F, ST, 1, P>(w, r0, r1, x, y, ldy, gemm);
