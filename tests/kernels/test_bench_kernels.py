@@ -99,3 +99,22 @@ def test_pool_bytes_are_their_own_memory():
     assert small.untyped_storage().nbytes() == 1000
     assert large.untyped_storage().nbytes() == large.numel() == 2 * source.block.numel() + 5
     assert torch.equal(large[source.block.numel():][:1000], small)
+
+
+def test_pool_tensors_lie_in_one_arena_aligned_and_equal_to_their_source():
+    arena = bench._HugePageArena(4096)
+    gen = torch.Generator().manual_seed(0)
+    src = [torch.randn(3, 5, generator=gen).bfloat16(), torch.randint(0, 255, (7,), dtype=torch.uint8),
+           torch.randn(2, 9, generator=gen)]
+    placed = [arena.place(t) for t in src]
+    base, end = arena.buffer.data_ptr(), arena.buffer.data_ptr() + arena.buffer.numel()
+    for s, p in zip(src, placed):
+        assert p.dtype == s.dtype and p.shape == s.shape and torch.equal(p, s)
+        assert p.data_ptr() % bench._HugePageArena.ALIGN == 0 and base <= p.data_ptr() < end
+    with pytest.raises(ValueError, match="arena of 4096 bytes is full"):
+        arena.place(torch.zeros(4096, dtype=torch.uint8))
+    pool = bench.ExpertPool("int4", 128, 64, 4, 1, bench._Bytes())
+    for m in pool.experts[0]:
+        for t in m:
+            start = t.data_ptr() - pool.arena.buffer.data_ptr()
+            assert 0 <= start and start + t.numel() * t.element_size() <= pool.arena.buffer.numel()

@@ -10,9 +10,12 @@ hold 300-600 MB, which a server's last-level cache can nearly hold), and each re
 weights stream from memory as in decode. Side by side, on the same layers and routing: torch bf16 matmul on
 pre-converted weights, and torch dequantise-then-matmul of the format's weights.
 
-The bandwidth probe's buffer comes from numpy, which asks for transparent huge pages; the experts are torch
-tensors read in place (on 4 KB pages where THP is "madvise", as on most distributions), unless
-HYBRIDMOE_COPY_EXPERTS=1 has the kernels copy them at load onto huge pages (expert_memory in the JSON).
+The bandwidth probe's buffer comes from numpy, which asks for transparent huge pages, and so do the experts: a
+pool's tensors lie in one numpy-allocated block (_HugePageArena), read in place by the kernels and by torch's
+baselines alike, unless HYBRIDMOE_COPY_EXPERTS=1 has the kernels copy them at load into memory of their own, also
+on huge pages (expert_memory in the JSON). Torch's own allocations sit on 4 KB pages where THP is "madvise" (as
+on most distributions); from them the kernels read 0.96-1.06x as fast at T = 1 with the probe at 50-54 GB/s,
+1.10-1.16x at its 70-78 GB/s level (Zen 5 VM, 2026-12-03).
 
 Reported per (shape, format, T): weight_gbs (bytes of the experts the tokens visit / time), its fraction of the
 measured bandwidth, the fraction of the FMA peak (2*3*H*I*T*K flops / time), and the two speedups. The host's
@@ -52,7 +55,7 @@ BANDWIDTH_BYTES = 1 << 30
 POOL_BYTES = {False: 1 << 30, True: 256 << 20}  # by quick: the least expert pool
 CACHE_MULTIPLE = 4  # the probe's buffer and the pools are at least this many times the last-level cache
 # where the kernels read the experts (numa.topology()["copy_shards"]; HYBRIDMOE_COPY_EXPERTS=1 copies them)
-EXPERT_MEMORY = {False: "read in place", True: "copied at load onto huge pages"}
+EXPERT_MEMORY = {False: "read in place (huge pages)", True: "copied at load (huge pages)"}
 # Short calls after the CPUs idled ran slower for tens of ms on the Zen 5 VM (2026-12-02, Qwen3 bf16 T = 1, medians
 # of 8 calls after one warm-up call: 3.0-5.6 ms after 1 s idle, 1.9-3.1 ms right after torch's calls; 2.4-2.9 ms
 # after 1 s idle and 0.2 s of warm-up calls), so each case first calls for this long.
@@ -122,19 +125,46 @@ def pool_bytes(quick: bool) -> int:
     return max(POOL_BYTES[quick], CACHE_MULTIPLE * last_level_cache_bytes())
 
 
+class _HugePageArena:
+    """One block of memory for a pool's tensors, handed out in 64-byte-aligned pieces. numpy advises transparent
+    huge pages for large arrays before their first touch, as for the bandwidth probe's buffer, so that the
+    experts and the probe are read through the same page size."""
+
+    ALIGN = 64
+
+    def __init__(self, nbytes: int):
+        self.buffer = torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+        self.used = 0
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of t in the arena."""
+        n = t.numel() * t.element_size()
+        start = self.used + (-(self.buffer.data_ptr() + self.used)) % self.ALIGN
+        if start + n > self.buffer.numel():
+            raise ValueError(f"arena of {self.buffer.numel()} bytes is full ({start} used, {n} more asked for)")
+        out = self.buffer[start:start + n].view(t.dtype).view(t.shape)
+        out.copy_(t)
+        self.used = start + n
+        return out
+
+
 class ExpertPool:
     """D distinct experts in one format, as L = ceil(D / E) layers of E experts (layer l's expert e is
-    pool[(l * E + e) % D]); `moe(layer, ...)` calls layer `layer % L`."""
+    pool[(l * E + e) % D]); `moe(layer, ...)` calls layer `layer % L`. The experts' tensors lie in one
+    _HugePageArena."""
 
     def __init__(self, fmt: str, hidden: int, inter: int, num_experts: int, pool_bytes: int, source: _Bytes):
         gen = torch.Generator().manual_seed(1)
         self.fmt, self.hidden, self.inter, self.num_experts = fmt, hidden, inter, num_experts
         shapes = ((inter, hidden), (inter, hidden), (hidden, inter))  # gate, up, down
         first = [_matrix(fmt, r, c, source, gen) for r, c in shapes]
-        self.expert_bytes = sum(t.numel() * t.element_size() for m in first for t in m if t is not None)
+        tensors = [t for m in first for t in m if t is not None]
+        self.expert_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.distinct = max(1, math.ceil(pool_bytes / self.expert_bytes))
-        self.experts = [first] + [[_matrix(fmt, r, c, source, gen) for r, c in shapes]
-                                  for _ in range(self.distinct - 1)]
+        self.arena = _HugePageArena(self.distinct * (self.expert_bytes + len(tensors) * _HugePageArena.ALIGN))
+        place = lambda expert: [tuple(None if t is None else self.arena.place(t) for t in m) for m in expert]
+        self.experts = [place(first)] + [place([_matrix(fmt, r, c, source, gen) for r, c in shapes])
+                                         for _ in range(self.distinct - 1)]
         self.num_layers = math.ceil(self.distinct / num_experts)
         self.layers = [self._layer(layer) for layer in range(self.num_layers)]
 
