@@ -293,28 +293,36 @@ HM_TILE_INLINE void int4_oct_tile(const uint8_t* const* rowp, const uint16_t* co
 }
 
 #ifdef __AVX512VNNI__
-// ---- int4 / int8, group 32, 512-bit vectors (AVX-512 VNNI), two tokens and more: lane-scaled steps ---------------
-// A 64-byte step of a row holds whole groups: int4 four (128-bit lane l: group 4s + l, byte b of it elements b and
-// b + 16), int8 two (256-bit half h: group 2s + h). vpdpbusd against the tokens' activations in the same order
-// (int4: two of them, the low nibbles against elements 0-15 of the four groups, the high nibbles against 16-31;
-// int8: one, the weights offset by 128) leaves int32 partial sums of each group in its own lanes (int4 four, int8
-// eight), so that the scales apply lane by lane, with no horizontal adds: t = sums * xs + c (xs: the token's group
-// scales, c: its unsigned-offset correction -offset qsum / lanes, each in its group's lanes), acc += t * ws (ws:
-// the row's group scales in their lanes, one permute per row and step). Per step, row and token: int4 2 vpdpbusd,
-// int8 1, then a convert and two FMAs (the 256-bit steps: int4 8 vpdpbusd, 3 horizontal adds, a convert, a
-// multiply and two FMAs per 256 weights; int8 per group of 32 a vpdpbusd, a convert, a broadcast and an FMA).
-template <WFormat F>
+// ---- int4 / int8, 512-bit vectors (AVX-512 VNNI): lane-scaled steps ------------------------------------------
+// A 64-byte step of a row holds 128 int4 elements, four 32-element chunks (128-bit lane l: chunk 4s + l, byte b of
+// it elements b and b + 16), or 64 int8 elements, two chunks (256-bit half h: chunk 2s + h). vpdpbusd against the
+// tokens' activations in the same order (int4: two of them, the low nibbles against elements 0-15 of the four
+// chunks, the high nibbles against 16-31; int8: one, the weights offset by 128) leaves int32 partial sums of each
+// chunk in its own lanes (int4 four, int8 eight). With groups of 32 each chunk is a group: int4 four groups a
+// step, int8 two; with groups of 128 a step is one int4 group, half an int8 group. Either way the scales apply lane
+// by lane, with no horizontal adds: t = sums * xs + c (xs: the token's group scales, c: its unsigned-offset
+// correction -offset qsum / lanes, each in its group's lanes), acc += t * ws (ws: the row's group scales in their
+// lanes, one permute or broadcast per row and step). Per step, row and token: int4 2 vpdpbusd, int8 1, then a
+// convert and two FMAs (the 256-bit steps: int4 g32 8 vpdpbusd, 3 horizontal adds, a convert, a multiply and two
+// FMAs per 256 weights; int8 g32 per group a vpdpbusd, a convert, a broadcast and an FMA; groups of 128 a
+// vpdpbusd per 32 weights and per group 2 horizontal adds, a convert and FMAs).
+template <WFormat F, int G>
 struct LaneSteps {
-  static constexpr I64 kGroups = F == WFormat::INT4 ? 4 : 2;       // groups per step
-  static constexpr I64 kLanes = 16 / kGroups;                       // int32 lanes per group
+  static constexpr I64 kElems = F == WFormat::INT4 ? 128 : 64;    // elements per step
+  static constexpr I64 kGroups = G < kElems ? kElems / G : 1;      // groups a step touches
+  static constexpr I64 kStepsPerGroup = G > kElems ? G / kElems : 1;
+  static constexpr I64 kLanes = 16 * G / kElems;                    // int32 lanes per group, over its steps
   static constexpr I64 kActBytes = F == WFormat::INT4 ? 128 : 64;  // activation bytes per step and token
   static constexpr float kOffset = F == WFormat::INT4 ? 8.0f : 128.0f;
   static constexpr I64 kFloats = 32;  // table floats per step and token: 16 lanes' xs, then their c
+  // the first group of step st, and its weight scales' offset in a row's scales
+  static constexpr I64 first_group(I64 st) { return st * kGroups / kStepsPerGroup; }
 };
 
 // The tokens' activations as the steps read them, prepared once per call: tables[m * ldt + s * 32 ..] (xs and c of
 // step s; groups past the row's are 0) and q[m * ldq + s * kActBytes ..] the int8 activations of step s (int4: per
-// group elements 0-15, for the four groups, then their elements 16-31; int8 as they are), zero-padded to whole steps.
+// chunk elements 0-15, for the four chunks, then their elements 16-31; int8 as they are), zero-padded to whole
+// steps.
 // A step at a time, in vectors: the matmul is called per block of 128 rows (twice for gate and up), and a scalar
 // loop over the groups' lanes here cost the MoE 1-8% at T = 32-256 (DeepSeek-V3 int8 T = 256 1.08x once vectorised).
 struct LaneActivations {
@@ -323,14 +331,17 @@ struct LaneActivations {
   I64 ldt, ldq;
 };
 
-template <WFormat F>
+template <WFormat F, int G>
 inline LaneActivations lane_activations(const Activations& x, I64 groups) {
-  using S = LaneSteps<F>;
-  const I64 steps = (groups + S::kGroups - 1) / S::kGroups, ldt = steps * S::kFloats, ldq = steps * S::kActBytes;
+  using S = LaneSteps<F, G>;
+  const I64 chunks = groups * (G / 32), chunks_per_step = S::kElems / 32;
+  const I64 steps = (chunks + chunks_per_step - 1) / chunks_per_step, ldt = steps * S::kFloats;
+  const I64 ldq = steps * S::kActBytes;
   float* tables = scratch_floats(x.m * (ldt + ldq / 4));
   int8_t* q = reinterpret_cast<int8_t*>(tables + x.m * ldt);
-  const __m512i lane_group = F == WFormat::INT4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
-                                                : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i lane_group = S::kGroups == 4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                             : S::kGroups == 2 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                                               : _mm512_setzero_si512();
   const __m512 correction = _mm512_set1_ps(-S::kOffset / S::kLanes);
   for (I64 m = 0; m < x.m; ++m) {
     const float* xs = qscale_row(x, m);
@@ -339,17 +350,18 @@ inline LaneActivations lane_activations(const Activations& x, I64 groups) {
     float* t = tables + m * ldt;
     int8_t* dst = q + m * ldq;
     for (I64 st = 0; st < steps; ++st) {
-      const I64 g0 = st * S::kGroups, n = imin(S::kGroups, groups - g0);  // the step's groups within the row
+      const I64 g0 = S::first_group(st), n = imin(S::kGroups, groups - g0);  // the step's groups within the row
       const __mmask16 real = static_cast<__mmask16>((1u << n) - 1);
       const __m512 scales = _mm512_maskz_loadu_ps(real, xs + g0), sums = _mm512_maskz_loadu_ps(real, xsum + g0);
       _mm512_storeu_ps(t + st * S::kFloats, _mm512_permutexvar_ps(lane_group, scales));
       _mm512_storeu_ps(t + st * S::kFloats + 16, _mm512_mul_ps(_mm512_permutexvar_ps(lane_group, sums), correction));
-      // the step's activations: n groups of 32 bytes, zero past them
-      const __mmask64 lo_bytes = n >= 2 ? ~__mmask64{0} : (__mmask64{1} << (32 * n)) - 1;
-      const __m512i a = _mm512_maskz_loadu_epi8(lo_bytes, src + 32 * g0);
-      if constexpr (F == WFormat::INT4) {  // groups 0-1 in a, 2-3 in b: elements 0-15 of each, then 16-31
-        const __mmask64 hi_bytes = n == 4 ? ~__mmask64{0} : n <= 2 ? 0 : (__mmask64{1} << (32 * (n - 2))) - 1;
-        const __m512i b = _mm512_maskz_loadu_epi8(hi_bytes, src + 32 * g0 + 64);
+      // the step's activations: c chunks of 32 bytes, zero past them
+      const I64 c0 = st * chunks_per_step, c = imin(chunks_per_step, chunks - c0);
+      const __mmask64 lo_bytes = c >= 2 ? ~__mmask64{0} : (__mmask64{1} << (32 * c)) - 1;
+      const __m512i a = _mm512_maskz_loadu_epi8(lo_bytes, src + 32 * c0);
+      if constexpr (F == WFormat::INT4) {  // chunks 0-1 in a, 2-3 in b: elements 0-15 of each, then 16-31
+        const __mmask64 hi_bytes = c == 4 ? ~__mmask64{0} : c <= 2 ? 0 : (__mmask64{1} << (32 * (c - 2))) - 1;
+        const __m512i b = _mm512_maskz_loadu_epi8(hi_bytes, src + 32 * c0 + 64);
         _mm512_storeu_si512(dst + st * 128, _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0)));
         _mm512_storeu_si512(dst + st * 128 + 64, _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
       } else {
@@ -360,9 +372,14 @@ inline LaneActivations lane_activations(const Activations& x, I64 groups) {
   return {tables, q, ldt, ldq};
 }
 
-// A row's group scales of one step at p (int4 four, int8 two) -> 16 floats, each in its group's lanes.
-template <WFormat F, ScaleType ST>
+// A row's group scales of one step at p (groups of 32: int4 four, int8 two; of 128: one) -> 16 floats, each in its
+// group's lanes.
+template <WFormat F, int G, ScaleType ST>
 HM_TILE_INLINE __m512 lane_weight_scales(const uint16_t* p) {
+  if constexpr (LaneSteps<F, G>::kGroups == 1) {
+    if constexpr (ST == ScaleType::BF16) return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(uint32_t{*p} << 16)));
+    else return _mm512_set1_ps(_cvtsh_ss(*p));
+  }
   int two = 0;  // int8: the step's two scales (4 bytes; 8 could read past the last row's)
   if constexpr (F == WFormat::INT8) std::memcpy(&two, p, 4);
   const __m128i v = F == WFormat::INT4 ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)) : _mm_cvtsi32_si128(two);
@@ -381,7 +398,7 @@ HM_TILE_INLINE __m512 lane_weight_scales(const uint16_t* p) {
 
 // acc[i][j] += one step of R rows (64 bytes at w[i], their scales at s[i]) times MT tokens (kActBytes int8
 // activations at xq[j], 32 table floats at t[j]).
-template <WFormat F, ScaleType ST, int R, int MT>
+template <WFormat F, int G, ScaleType ST, int R, int MT>
 HM_TILE_INLINE void int_lane_step(const uint8_t* const* w, const uint16_t* const* s, const int8_t* const* xq,
                                   const float* const* t, __m512 (&acc)[R][MT]) {
   __m512i lo[R], hi[R];  // int4: the low and high nibbles; int8: lo the weights + 128
@@ -394,7 +411,7 @@ HM_TILE_INLINE void int_lane_step(const uint8_t* const* w, const uint16_t* const
     } else {
       lo[i] = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
     }
-    ws[i] = lane_weight_scales<F, ST>(s[i]);
+    ws[i] = lane_weight_scales<F, G, ST>(s[i]);
   }
   HM_UNROLL for (int j = 0; j < MT; ++j) {
     const __m512i xlo = _mm512_loadu_si512(xq[j]);
@@ -408,16 +425,16 @@ HM_TILE_INLINE void int_lane_step(const uint8_t* const* w, const uint16_t* const
 }
 
 // out[i][j] = the R rows' dot products with MT tokens over steps [s0, s1) (`groups` in the whole row: a last
-// partial step goes through zero-padded copies of the weights and scales).
-template <WFormat F, ScaleType ST, int R, int MT, NextRows P>
+// partial step, groups of 32 only, goes through zero-padded copies of the weights and scales).
+template <WFormat F, int G, ScaleType ST, int R, int MT, NextRows P>
 HM_TILE_INLINE void int_lane_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 s0, I64 s1,
                                   I64 groups, const LaneActivations& acts, I64 m, float (&out)[R][MT],
                                   const uint8_t* next) {
-  using S = LaneSteps<F>;
+  using S = LaneSteps<F, G>;
   __m512 acc[R][MT];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
-  const I64 full = imin(s1, groups / S::kGroups);
+  const I64 full = imin(s1, groups * G / S::kElems);  // whole steps
   const uint8_t* w[R];
   const uint16_t* s[R];
   const int8_t* xp[MT];
@@ -430,21 +447,21 @@ HM_TILE_INLINE void int_lane_tile(const uint8_t* const* rowp, const uint16_t* co
   };
   for (I64 st = s0; st < full; ++st) {
     if (next) prefetch_next<P, R, 64>(next, 0, st * 64);
-    for (int i = 0; i < R; ++i) w[i] = rowp[i] + 64 * st, s[i] = srow[i] + S::kGroups * st;
+    for (int i = 0; i < R; ++i) w[i] = rowp[i] + 64 * st, s[i] = srow[i] + S::first_group(st);
     tokens_at(st);
-    int_lane_step<F, ST, R, MT>(w, s, xp, t, acc);
+    int_lane_step<F, G, ST, R, MT>(w, s, xp, t, acc);
   }
   if (full < s1) {
-    const I64 left = groups - S::kGroups * full;
+    const I64 left = groups - S::first_group(full);
     alignas(64) uint8_t wpad[R][64] = {};
     alignas(16) uint16_t spad[R][8] = {};
     for (int i = 0; i < R; ++i) {
       std::memcpy(wpad[i], rowp[i] + 64 * full, static_cast<size_t>(64 / S::kGroups * left));
-      std::memcpy(spad[i], srow[i] + S::kGroups * full, static_cast<size_t>(2 * left));
+      std::memcpy(spad[i], srow[i] + S::first_group(full), static_cast<size_t>(2 * left));
       w[i] = wpad[i], s[i] = spad[i];
     }
     tokens_at(full);
-    int_lane_step<F, ST, R, MT>(w, s, xp, t, acc);
+    int_lane_step<F, G, ST, R, MT>(w, s, xp, t, acc);
   }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < MT; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
@@ -457,24 +474,31 @@ HM_TILE_INLINE void int_lane_tile(const uint8_t* const* rowp, const uint16_t* co
 template <WFormat F>
 constexpr int kLaneTileTokens = F == WFormat::INT4 ? 3 : 4;
 
-// Tokens from which int4 / int8 with groups of 32 take the lane steps on AVX-512. int4 from one token, with the
-// prefetch that reaches ahead (prefetch_ahead_rows) there as in the 256-bit kernel: measured 2026-12-03 on Zen 5
-// (benchmarks/gemv_ab.sh, one thread, one token, against the 256-bit oct steps) 1.04-1.12x from memory and
-// 1.12-1.24x in L3 at 768-7168 columns (without the far prefetch 0.70x from memory); the MoE (2 threads,
-// in-process A/B) at DeepSeek-V3 shapes T = 1 1.08-1.10x, Qwen3 0.99-1.03x. int8 keeps the 256-bit kernel for one
-// token: 0.95-0.97x from memory at 768-2048 columns, 0.76x against its two-row tiles at 7168.
-template <WFormat F>
-constexpr I64 kLaneMinTokens = F == WFormat::INT4 ? 1 : 2;
+// Tokens from which int4 / int8 with groups of G take the lane steps on AVX-512 (int8 with groups of 128 never:
+// its 256-bit kernel sums a whole group in int32 before one convert, and the lane steps read 0.71-0.96x at 2-8
+// tokens, one thread, 768 x 2048 and 2048 x 7168 in L3 and from memory). Measured 2026-12-03 on Zen 5
+// (benchmarks/gemv_ab.sh, one thread, against the 256-bit kernels):
+// - int4, groups of 32, from one token, with the prefetch that reaches ahead (prefetch_ahead_rows) there as in the
+//   256-bit kernel: 1.04-1.12x from memory and 1.12-1.24x in L3 at 768-7168 columns (without the far prefetch 0.70x
+//   from memory); the MoE (2 threads, in-process A/B) at DeepSeek-V3 shapes T = 1 1.08-1.10x, Qwen3 0.99-1.03x.
+// - int8, groups of 32, from two tokens: at one 0.95-0.97x from memory at 768-2048 columns, 0.76x against its
+//   two-row tiles at 7168.
+// - int4, groups of 128, from two tokens: in L3 1.11-1.20x at 2, 1.36-1.49x at 4, 1.51-1.61x at 8 (at one 0.95x);
+//   from memory 0.97-1.03x at 2. The MoE (2 threads, in-process A/B, medians of 4 rounds): T = 32 1.35x (Qwen3),
+//   1.06x (DeepSeek-V3); T = 256 1.79x / 1.43x; T = 4 0.97-0.98x (rounds 0.84-1.08).
+template <WFormat F, int G>
+constexpr I64 kLaneMinTokens = F == WFormat::INT4 && G == 32 ? 1 : 2;
 
-// int4 / int8 with groups of 32 from kLaneMinTokens tokens on AVX-512: register tiles of 4 rows x up to
+// int4 / int8 with groups of G from kLaneMinTokens tokens on AVX-512: register tiles of 4 rows x up to
 // kLaneTileTokens tokens (for_each_token_tile_upto); the GEMM path runs the same tiles over chunks of kGemmChunkK
-// elements.
-template <WFormat F, ScaleType ST, NextRows P>
-void matmul_int_g32_lanes(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
-  using S = LaneSteps<F>;
-  const I64 M = x.m, groups = w.padded_cols / 32, steps = (groups + S::kGroups - 1) / S::kGroups;
-  const I64 sc = gemm ? kGemmChunkK / (32 * S::kGroups) : steps;
-  const LaneActivations acts = lane_activations<F>(x, groups);
+// elements (a group of 128 int8 may span two chunks: its steps are scaled each on its own).
+template <WFormat F, int G, ScaleType ST, NextRows P>
+void matmul_int_lanes(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
+  using S = LaneSteps<F, G>;
+  static_assert(kGemmChunkK % S::kElems == 0, "GEMM chunks hold whole steps");
+  const I64 M = x.m, groups = w.padded_cols / G, steps = (w.padded_cols + S::kElems - 1) / S::kElems;
+  const I64 sc = gemm ? kGemmChunkK / S::kElems : steps;
+  const LaneActivations acts = lane_activations<F, G>(x, groups);
   const I64 ahead = prefetch_ahead_rows(w, 4, M == 1);
   const I64 row_read_bytes = F == WFormat::INT4 ? w.padded_cols / 2 : w.padded_cols;
   for (I64 s0 = 0; s0 < steps; s0 += sc) {
@@ -485,7 +509,8 @@ void matmul_int_g32_lanes(const Matrix& w, I64 r0, I64 r1, const Activations& x,
       for_each_token_tile_upto<kLaneTileTokens<F>>(M, [&](auto mt, I64 m) HM_TILE_LAMBDA {
         constexpr int MT = decltype(mt)::kTokens;
         float o[4][MT];
-        int_lane_tile<F, ST, 4, MT, P>(tile.rowp, tile.srow, s0, s1, groups, acts, m, o, m == 0 ? tile.next : nullptr);
+        int_lane_tile<F, G, ST, 4, MT, P>(tile.rowp, tile.srow, s0, s1, groups, acts, m, o,
+                                          m == 0 ? tile.next : nullptr);
         store_tile<4, MT>(y, ldy, m, r - r0, tile.valid, first, o);
       });
     }
@@ -609,10 +634,14 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
 // An int format's kernels with next-tile prefetch P.
 template <class V, WFormat F, ScaleType ST, NextRows P>
 void matmul_int_prefetching(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
-  if (w.group != 32) matmul_int<V, F, ST, 4, P>(w, r0, r1, x, y, ldy, gemm);
 #ifdef __AVX512VNNI__
-  else if (V::W >= 16 && x.m >= kLaneMinTokens<F>) matmul_int_g32_lanes<F, ST, P>(w, r0, r1, x, y, ldy, gemm);
+  if (V::W >= 16 && w.group == 32 && x.m >= kLaneMinTokens<F, 32>)
+    return matmul_int_lanes<F, 32, ST, P>(w, r0, r1, x, y, ldy, gemm);
+  if constexpr (F == WFormat::INT4)
+    if (V::W >= 16 && w.group == 128 && x.m >= kLaneMinTokens<F, 128>)
+      return matmul_int_lanes<F, 128, ST, P>(w, r0, r1, x, y, ldy, gemm);
 #endif
+  if (w.group != 32) matmul_int<V, F, ST, 4, P>(w, r0, r1, x, y, ldy, gemm);
   else if constexpr (F == WFormat::INT4) matmul_int4_g32<V, ST, P>(w, r0, r1, x, y, ldy, gemm);
   else matmul_int<V, F, ST, 1, P>(w, r0, r1, x, y, ldy, gemm);
 }
