@@ -305,7 +305,7 @@ HM_TILE_INLINE void int4_oct_tile(const uint8_t* const* rowp, const uint16_t* co
 // lanes, one permute or broadcast per row and step). Per step, row and token: int4 2 vpdpbusd, int8 1, then a
 // convert and two FMAs (the 256-bit steps: int4 g32 8 vpdpbusd, 3 horizontal adds, a convert, a multiply and two
 // FMAs per 256 weights; int8 g32 per group a vpdpbusd, a convert, a broadcast and an FMA; groups of 128 a
-// vpdpbusd per 32 weights and per group 2 horizontal adds, a convert and FMAs).
+// vpdpbusd per 32 weights, then per group a convert, a broadcast and an FMA).
 template <WFormat F, int G>
 struct LaneSteps {
   static constexpr I64 kElems = F == WFormat::INT4 ? 128 : 64;    // elements per step

@@ -162,11 +162,14 @@ class ExpertPool:
         self.expert_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.distinct = max(1, math.ceil(pool_bytes / self.expert_bytes))
         self.arena = _HugePageArena(self.distinct * (self.expert_bytes + len(tensors) * _HugePageArena.ALIGN))
-        place = lambda expert: [tuple(None if t is None else self.arena.place(t) for t in m) for m in expert]
-        self.experts = [place(first)] + [place([_matrix(fmt, r, c, source, gen) for r, c in shapes])
-                                         for _ in range(self.distinct - 1)]
+        self.experts = [self._placed(first)] + [self._placed([_matrix(fmt, r, c, source, gen) for r, c in shapes])
+                                                for _ in range(self.distinct - 1)]
         self.num_layers = math.ceil(self.distinct / num_experts)
         self.layers = [self._layer(layer) for layer in range(self.num_layers)]
+
+    def _placed(self, expert: list) -> list:
+        """The expert's (data, scales) matrices copied into the arena."""
+        return [tuple(None if t is None else self.arena.place(t) for t in m) for m in expert]
 
     def _layer(self, layer: int) -> FusedMoE:
         pick = [self.expert(layer, e) for e in range(self.num_experts)]
