@@ -299,7 +299,7 @@ HM_TILE_INLINE void int4_oct_tile(const uint8_t* const* rowp, const uint16_t* co
 // tokens' activations in the same order (int4: two of them, the low nibbles against elements 0-15 of the four
 // chunks, the high nibbles against 16-31; int8: one, the weights offset by 128) leaves int32 partial sums of each
 // chunk in its own lanes (int4 four, int8 eight). With groups of 32 each chunk is a group: int4 four groups a
-// step, int8 two; with groups of 128 a step is one int4 group, half an int8 group. Either way the scales apply lane
+// step, int8 two; with groups of 128 an int4 step is one group. Either way the scales apply lane
 // by lane, with no horizontal adds: t = sums * xs + c (xs: the token's group scales, c: its unsigned-offset
 // correction -offset qsum / lanes, each in its group's lanes), acc += t * ws (ws: the row's group scales in their
 // lanes, one permute or broadcast per row and step). Per step, row and token: int4 2 vpdpbusd, int8 1, then a
@@ -309,14 +309,20 @@ HM_TILE_INLINE void int4_oct_tile(const uint8_t* const* rowp, const uint16_t* co
 template <WFormat F, int G>
 struct LaneSteps {
   static constexpr I64 kElems = F == WFormat::INT4 ? 128 : 64;    // elements per step
-  static constexpr I64 kGroups = G < kElems ? kElems / G : 1;      // groups a step touches
-  static constexpr I64 kStepsPerGroup = G > kElems ? G / kElems : 1;
-  static constexpr I64 kLanes = 16 * G / kElems;                    // int32 lanes per group, over its steps
+  static_assert(G == 32 || G == kElems, "a step holds whole groups");
+  static constexpr I64 kGroups = kElems / G;                        // groups per step
+  static constexpr I64 kLanes = 16 / kGroups;                       // int32 lanes per group
   static constexpr I64 kActBytes = F == WFormat::INT4 ? 128 : 64;  // activation bytes per step and token
   static constexpr float kOffset = F == WFormat::INT4 ? 8.0f : 128.0f;
   static constexpr I64 kFloats = 32;  // table floats per step and token: 16 lanes' xs, then their c
   // the first group of step st, and its weight scales' offset in a row's scales
-  static constexpr I64 first_group(I64 st) { return st * kGroups / kStepsPerGroup; }
+  static constexpr I64 first_group(I64 st) { return st * kGroups; }
+  // lane l of a step -> its group within the step (as 32-bit lane indices)
+  static HM_TILE_INLINE __m512i lane_groups() {
+    if constexpr (kGroups == 4) return _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    else if constexpr (kGroups == 2) return _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    else return _mm512_setzero_si512();
+  }
 };
 
 // The tokens' activations as the steps read them, prepared once per call: tables[m * ldt + s * 32 ..] (xs and c of
@@ -339,9 +345,7 @@ inline LaneActivations lane_activations(const Activations& x, I64 groups) {
   const I64 ldq = steps * S::kActBytes;
   float* tables = scratch_floats(x.m * (ldt + ldq / 4));
   int8_t* q = reinterpret_cast<int8_t*>(tables + x.m * ldt);
-  const __m512i lane_group = S::kGroups == 4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
-                             : S::kGroups == 2 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
-                                               : _mm512_setzero_si512();
+  const __m512i lane_group = S::lane_groups();
   const __m512 correction = _mm512_set1_ps(-S::kOffset / S::kLanes);
   for (I64 m = 0; m < x.m; ++m) {
     const float* xs = qscale_row(x, m);
@@ -376,9 +380,12 @@ inline LaneActivations lane_activations(const Activations& x, I64 groups) {
 // group's lanes.
 template <WFormat F, int G, ScaleType ST>
 HM_TILE_INLINE __m512 lane_weight_scales(const uint16_t* p) {
-  if constexpr (LaneSteps<F, G>::kGroups == 1) {
-    if constexpr (ST == ScaleType::BF16) return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(uint32_t{*p} << 16)));
-    else return _mm512_set1_ps(_cvtsh_ss(*p));
+  using S = LaneSteps<F, G>;
+  if constexpr (S::kGroups == 1) {
+    if constexpr (ST == ScaleType::BF16)  // the bf16 bits in the high half of each lane: the float itself
+      return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(uint32_t{*p} << 16)));
+    else
+      return _mm512_set1_ps(_cvtsh_ss(*p));
   }
   int two = 0;  // int8: the step's two scales (4 bytes; 8 could read past the last row's)
   if constexpr (F == WFormat::INT8) std::memcpy(&two, p, 4);
@@ -390,9 +397,7 @@ HM_TILE_INLINE __m512 lane_weight_scales(const uint16_t* p) {
                                                               0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, _mm512_castsi128_si512(v)));
   } else {
-    const __m512i idx = F == WFormat::INT4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
-                                           : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_cvtph_ps(v)));
+    return _mm512_permutexvar_ps(S::lane_groups(), _mm512_castps128_ps512(_mm_cvtph_ps(v)));
   }
 }
 
@@ -434,7 +439,7 @@ HM_TILE_INLINE void int_lane_tile(const uint8_t* const* rowp, const uint16_t* co
   __m512 acc[R][MT];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
-  const I64 full = imin(s1, groups * G / S::kElems);  // whole steps
+  const I64 full = imin(s1, groups / S::kGroups);  // whole steps
   const uint8_t* w[R];
   const uint16_t* s[R];
   const int8_t* xp[MT];
@@ -491,7 +496,7 @@ constexpr I64 kLaneMinTokens = F == WFormat::INT4 && G == 32 ? 1 : 2;
 
 // int4 / int8 with groups of G from kLaneMinTokens tokens on AVX-512: register tiles of 4 rows x up to
 // kLaneTileTokens tokens (for_each_token_tile_upto); the GEMM path runs the same tiles over chunks of kGemmChunkK
-// elements (a group of 128 int8 may span two chunks: its steps are scaled each on its own).
+// elements.
 template <WFormat F, int G, ScaleType ST, NextRows P>
 void matmul_int_lanes(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
   using S = LaneSteps<F, G>;
