@@ -14,30 +14,45 @@ namespace {
 // only (it stays in registers).
 // next (may be nullptr): the start of the R rows that follow (stride bytes apart, back to back), prefetched at
 // the rate this tile's rows are read (prefetch_next, policy P), so that the next tile's lines do not wait on memory
-// (hardware prefetchers restart at every row and page). Small tiles (R * MT <= 4) keep a second set of
-// accumulators so that 2 * R * MT multiply-add chains are in flight.
+// (hardware prefetchers restart at every row and page). Small tiles keep more sets of accumulators
+// (kAccumulatorSets) so that enough multiply-add chains are in flight.
+template <int R, int MT>
+constexpr int kAccumulatorSets = R * MT == 1 ? 4 : R * MT <= 4 ? 2 : 1;
+
+// The sets of accumulators of an R x MT tile: one multiply-add (FMA, or vdpbf16ps: 5-6 cycles each on Zen 5, two a
+// cycle) per step and accumulator leaves R * MT * sets chains in flight. A one-row tile at one token with two sets
+// was bound by those chains: about 10 fp8 codes a cycle, 44 GB/s of weights with the rows in L2 (one thread, Zen
+// 5), not much above the 36-40 GB/s one core reads from memory. With four sets, in-process A/B on Zen 5, one
+// thread, T = 1, medians of 12 rounds: the MoE at DeepSeek-V3 shapes (7 KB gate/up rows) fp8 1.03-1.08x, bf16
+// 1.04-1.07x (every round 1.00x or more); Qwen3-30B-A3B (2-4 KB rows) 0.99-1.01x; with two threads, which the
+// shared memory bandwidth limits, 0.98-1.02x.
 template <class S, int R, int MT, NextRows P>
 HM_TILE_INLINE void accumulate_steps(const uint8_t* const* rowp, I64 k0, I64 k1, const typename S::X* const* xr,
                                      typename S::Acc (&acc)[R][MT], const uint8_t* next, I64 stride) {
   constexpr int L = S::kLanes;
   constexpr I64 B = S::kBytes;
+  constexpr int C = kAccumulatorSets<R, MT>;
   I64 k = k0;
-  if constexpr (R * MT <= 4) {
-    typename S::Acc acc2[R][MT];
-    HM_UNROLL for (int i = 0; i < R; ++i)
-      HM_UNROLL for (int j = 0; j < MT; ++j) acc2[i][j] = S::zero();
-    for (; k + 2 * L <= k1; k += 2 * L) {
-      if (next) prefetch_next<P, R, 2 * L * B>(next, stride, k * B);
+  if constexpr (C > 1) {
+    typename S::Acc more[C - 1][R][MT];  // sets 1..C-1 (set 0 is acc)
+    HM_UNROLL for (int c = 0; c < C - 1; ++c)
+      HM_UNROLL for (int i = 0; i < R; ++i)
+        HM_UNROLL for (int j = 0; j < MT; ++j) more[c][i][j] = S::zero();
+    for (; k + C * L <= k1; k += C * L) {
+      if (next) prefetch_next<P, R, C * L * B>(next, stride, k * B);
       HM_UNROLL for (int i = 0; i < R; ++i) {
-        const typename S::Weights w0 = S::weights(rowp[i] + k * B), w1 = S::weights(rowp[i] + (k + L) * B);
+        typename S::Weights w[C];
+        HM_UNROLL for (int c = 0; c < C; ++c) w[c] = S::weights(rowp[i] + (k + c * L) * B);
         HM_UNROLL for (int j = 0; j < MT; ++j) {
-          acc[i][j] = S::multiply_add(acc[i][j], w0, xr[j] + k);
-          acc2[i][j] = S::multiply_add(acc2[i][j], w1, xr[j] + k + L);
+          acc[i][j] = S::multiply_add(acc[i][j], w[0], xr[j] + k);
+          HM_UNROLL for (int c = 1; c < C; ++c)
+            more[c - 1][i][j] = S::multiply_add(more[c - 1][i][j], w[c], xr[j] + k + c * L);
         }
       }
     }
-    HM_UNROLL for (int i = 0; i < R; ++i)
-      HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = S::add(acc[i][j], acc2[i][j]);
+    HM_UNROLL for (int c = 0; c < C - 1; ++c)
+      HM_UNROLL for (int i = 0; i < R; ++i)
+        HM_UNROLL for (int j = 0; j < MT; ++j) acc[i][j] = S::add(acc[i][j], more[c][i][j]);
   }
   for (; k + L <= k1; k += L) {
     if (next) prefetch_next<P, R, L * B>(next, stride, k * B);
