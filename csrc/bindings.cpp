@@ -432,14 +432,16 @@ NB_MODULE(_native, mod) {
     auto* q = new int8_t[M * padded];
     auto* s = new float[M * G];
     auto* qs = new float[M * G];
-    for (int64_t r = 0; r < M; ++r) quantize_row(x.data() + r * K, K, padded, group, q + r * padded, s + r * G, qs + r * G);
+    const KernelTable* kt = active_kernels();
+    for (int64_t r = 0; r < M; ++r)
+      kt->quantize_row(x.data() + r * K, K, padded, group, q + r * padded, s + r * G, qs + r * G);
     nb::capsule oq(q, [](void* p) noexcept { delete[] static_cast<int8_t*>(p); });
     nb::capsule os(s, [](void* p) noexcept { delete[] static_cast<float*>(p); });
     nb::capsule oqs(qs, [](void* p) noexcept { delete[] static_cast<float*>(p); });
     return nb::make_tuple(nb::ndarray<nb::numpy, int8_t, nb::ndim<2>>(q, {size_t(M), size_t(padded)}, oq),
                           nb::ndarray<nb::numpy, float, nb::ndim<2>>(s, {size_t(M), size_t(G)}, os),
                           nb::ndarray<nb::numpy, float, nb::ndim<2>>(qs, {size_t(M), size_t(G)}, oqs));
-  }, "x"_a, "padded"_a, "group"_a, "The activation quantiser the int kernels use: (q, scale, scale*sum(q)).");
+  }, "x"_a, "padded"_a, "group"_a, "The activation quantiser the int kernels use (the active ISA's): (q, scale, scale*sum(q)).");
 
   mod.def("isa_names", &isa_names);
   mod.def("isa_unavailable_reason", &isa_unavailable_reason, "name"_a);

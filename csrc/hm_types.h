@@ -145,6 +145,8 @@ struct KernelTable {
   uint64_t (*read_sum)(const uint64_t* p, int64_t n);
   // Runs `iters` iterations of independent FMA chains in registers; returns the float ops done.
   double (*fma_peak)(int64_t iters);
+  // quantize_row (activation_quant.h), bit for bit.
+  void (*quantize_row)(const float* x, int64_t k, int64_t padded, int group, int8_t* q, float* scale, float* qsum);
 };
 
 const KernelTable* kernels_scalar();

@@ -9,7 +9,7 @@ namespace hm {
 
 const KernelTable* kernels_amx() {
   static const KernelTable table = {"amx", false, true, &matmul<Avx512Amx>, &silu_mul<Avx512>, &read_sum,
-                                    &fma_peak<Avx512>};
+                                    &fma_peak<Avx512>, &quantize_row_simd<Avx512>};
   return &table;
 }
 

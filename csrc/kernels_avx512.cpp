@@ -6,7 +6,7 @@ namespace hm {
 
 const KernelTable* kernels_avx512() {
   static const KernelTable table = {"avx512", false, false, &matmul<Avx512>, &silu_mul<Avx512>, &read_sum,
-                                    &fma_peak<Avx512>};
+                                    &fma_peak<Avx512>, &quantize_row_simd<Avx512>};
   return &table;
 }
 

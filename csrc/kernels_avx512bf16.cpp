@@ -8,7 +8,7 @@ namespace hm {
 
 const KernelTable* kernels_avx512bf16() {
   static const KernelTable table = {"avx512bf16", true, false, &matmul<Avx512Bf16>, &silu_mul<Avx512>, &read_sum,
-                                    &fma_peak<Avx512>};
+                                    &fma_peak<Avx512>, &quantize_row_simd<Avx512>};
   return &table;
 }
 

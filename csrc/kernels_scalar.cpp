@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "activation_quant.h"
 #include "fp_convert.h"
 #include "hm_types.h"
 
@@ -105,7 +106,8 @@ double fma_peak(I64 iters) {
 }  // namespace
 
 const KernelTable* kernels_scalar() {
-  static const KernelTable table = {"scalar", false, false, &matmul, &silu_mul, &read_sum, &fma_peak};
+  static const KernelTable table = {"scalar", false, false, &matmul, &silu_mul, &read_sum, &fma_peak,
+                                    &quantize_row};
   return &table;
 }
 

@@ -52,9 +52,10 @@ struct ActBuffer {
   size_t bytes() const { return x.bytes() + q.bytes() + qscale.bytes() + qsum.bytes(); }
   bool bound() const { return x.bound() && (!group || (q.bound() && qscale.bound() && qsum.bound())); }
   float* row(I64 r) { return x.data() + r * ldx; }
-  void quantize(I64 r) {
-    if (group) quantize_row(row(r), k, ldq, static_cast<int>(group), q.data() + r * ldq, qscale.data() + r * ldg,
-                            qsum.data() + r * ldg);
+  void quantize(I64 r, const KernelTable& kt) {
+    if (group)
+      kt.quantize_row(row(r), k, ldq, static_cast<int>(group), q.data() + r * ldq, qscale.data() + r * ldg,
+                      qsum.data() + r * ldg);
   }
   Activations view(I64 m, const int32_t* row_index, I64 first_row) const {
     Activations a;
@@ -201,7 +202,7 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
     } else {
       std::memcpy(dst, static_cast<const float*>(in.hidden) + t * H, static_cast<size_t>(H) * sizeof(float));
     }
-    xin.quantize(t);
+    xin.quantize(t, kt);
   });
 
   // gate/up: per node (slot x block of its I rows) -> inter[n][pair row, i - begin] = silu(gate) * up
@@ -238,7 +239,7 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   });
   if (is_int_format(fmt_)) {
     for (int n = 0; n < N; ++n) tasks[n] = active(n) ? T * K : 0;
-    pool.parallel_for_nodes(tasks, [&](int n, I64 row, int) { inter[n].quantize(row); });
+    pool.parallel_for_nodes(tasks, [&](int n, I64 row, int) { inter[n].quantize(row, kt); });
   }
 
   // down: per node (slot x block of H rows) -> y[n][pair row, h], the node's partial over its I columns
@@ -291,7 +292,7 @@ void run_matmul(const Matrix& w, const float* x, I64 m, I64 ldx, float* y, Matmu
   acts.init(m, w);
   for (I64 r = 0; r < m; ++r) {
     std::memcpy(acts.row(r), x + r * ldx, static_cast<size_t>(w.cols) * sizeof(float));
-    acts.quantize(r);
+    acts.quantize(r, kt);
   }
   const Activations view = acts.view(m, nullptr, 0);
   const I64 blk = task_rows(w.rows, 1, pool.size(), w.row_bytes);

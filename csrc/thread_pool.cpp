@@ -330,11 +330,16 @@ std::string Executor::run(std::function<void()> job, bool here) {
 #if defined(__x86_64__) || defined(_M_X64)
   _mm_setcsr(mxcsr);
 #endif
+  bool queued;
   {
     std::lock_guard<std::mutex> lock(mu_);
     running_job_ = false;
+    queued = !queue_.empty();
   }
-  cv_.notify_one();  // a job submitted meanwhile
+  // Only a job submitted meanwhile needs the executor thread: waking it for nothing cost a futex syscall and a
+  // context switch per call (one thread, Qwen3-30B-A3B shapes, T = 1: 6% of the MoE's time in the wake;
+  // without it 1.03-1.11x).
+  if (queued) cv_.notify_one();
   idle_cv_.notify_all();
   return error;
 }

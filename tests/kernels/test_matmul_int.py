@@ -99,22 +99,29 @@ def test_int4_packing_round_trip():
     assert packed[0, 0].item() == (q[0, 0] + 8).item() | ((q[0, 16] + 8).item() << 4)
 
 
-def test_activation_quantiser_matches_its_reference_exactly():
+@pytest.mark.parametrize("cols", [300, 256, 2048])  # a partial last group, whole groups of both sizes
+def test_activation_quantiser_matches_its_reference_exactly(each_isa, cols):
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(6, 300, generator=gen) * torch.logspace(-3, 3, 6)[:, None]
+    x = torch.randn(8, cols, generator=gen) * torch.logspace(-3, 3, 8)[:, None]
     x[2, 40] = float("nan")  # its group: q = 0, scale NaN
     x[3, :] = 0.0  # all-zero groups: q = 0, scale 0
+    x[4, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5])  # amax 127: ties, rounded to even
+    x[5, 200] = float("-inf")
+    x[6, 130:160] = -0.0
+    x[7, :] = x[7, :].clamp(-0.01, 0.01)  # many codes at the clamp
     for group in formats.INT_GROUPS:
-        padded = formats.padded_cols(300, group)
+        padded = formats.padded_cols(cols, group)
         q, scale, qsum = _native.quantize_rows(x.numpy(), padded, group)
         ref_q, ref_scale = formats.quantize_activations(x, padded, group)
         assert torch.equal(torch.from_numpy(q).int(), ref_q)
         assert torch.equal(torch.from_numpy(scale).isnan(), ref_scale.isnan())
         finite = ~ref_scale.isnan()
         assert torch.equal(torch.from_numpy(scale)[finite], ref_scale[finite])
-        sums = ref_q.view(6, -1, group).sum(-1).float() * ref_scale
-        assert torch.allclose(torch.from_numpy(qsum)[finite], sums[finite], rtol=1e-6, atol=0)
-    assert torch.isnan(torch.from_numpy(scale)[2, 0])
+        sums = ref_q.view(8, -1, group).sum(-1).float() * ref_scale
+        assert torch.equal(torch.from_numpy(qsum)[finite], sums[finite])  # scale * the exact int sum
+        assert torch.isnan(torch.from_numpy(scale)[2, 40 // group])
+        assert torch.isnan(torch.from_numpy(qsum)[5, 200 // group])
+    assert ref_q[4, :6].tolist() == [127, 0, 2, 2, 0, -2]
 
 
 def test_quantiser_rejects_what_it_cannot_represent():
