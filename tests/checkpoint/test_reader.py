@@ -4,6 +4,8 @@ files, missing tensors and wrong shapes."""
 from __future__ import annotations
 
 import json
+import mmap as mmap_module
+import os
 
 import pytest
 import torch
@@ -32,6 +34,28 @@ def test_sharded_checkpoint_round_trips_and_is_zero_copy(tmp_path):
         assert torch.equal(got.view(torch.uint8), ref.contiguous().view(torch.uint8))
     a, b = reader.get("x.weight"), reader.get("x.weight")
     assert a.data_ptr() == b.data_ptr()  # both are views of the same mapped pages, not copies
+
+
+def _vm_flags(path) -> list[str]:
+    """The VmFlags of this process's mappings of `path` (/proc/self/smaps)."""
+    flags, current = [], None
+    for line in open("/proc/self/smaps"):
+        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+            current = line.split()[-1] if len(line.split()) >= 6 else None
+        elif line.startswith("VmFlags:") and current == str(path):
+            flags.append(line.split()[1:])
+    return flags
+
+
+@pytest.mark.skipif(not (mmap_module.__dict__.get("MADV_HUGEPAGE") and os.path.exists("/proc/self/smaps")),
+                    reason="needs Linux madvise(MADV_HUGEPAGE) and /proc/self/smaps")
+def test_mapped_files_are_advised_for_huge_pages(tmp_path):
+    save_file({"w": torch.randn(256, 256)}, str(tmp_path / "model.safetensors"))
+    reader = CheckpointReader(tmp_path)
+    assert _vm_flags(tmp_path / "model.safetensors") == []  # mapped on first use only
+    reader.get("w")
+    flags = _vm_flags(tmp_path / "model.safetensors")
+    assert len(flags) == 1 and "hg" in flags[0]  # VM_HUGEPAGE
 
 
 def test_truncated_file_names_the_file_and_tensor(tmp_path):
