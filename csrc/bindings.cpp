@@ -441,7 +441,8 @@ NB_MODULE(_native, mod) {
     return nb::make_tuple(nb::ndarray<nb::numpy, int8_t, nb::ndim<2>>(q, {size_t(M), size_t(padded)}, oq),
                           nb::ndarray<nb::numpy, float, nb::ndim<2>>(s, {size_t(M), size_t(G)}, os),
                           nb::ndarray<nb::numpy, float, nb::ndim<2>>(qs, {size_t(M), size_t(G)}, oqs));
-  }, "x"_a, "padded"_a, "group"_a, "The activation quantiser the int kernels use (the active ISA's): (q, scale, scale*sum(q)).");
+  }, "x"_a, "padded"_a, "group"_a,
+     "The activation quantiser the int kernels use (the active ISA's): (q, scale, scale*sum(q)).");
 
   mod.def("isa_names", &isa_names);
   mod.def("isa_unavailable_reason", &isa_unavailable_reason, "name"_a);
