@@ -8,6 +8,7 @@
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "fp_convert.h"
 
@@ -165,6 +166,16 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
     slot_begin[s + 1] = slot_begin[s] + count[slots[s]];
     slot_of[slots[s]] = s;
   }
+  // A task's (slot, block of rows) among S x blocks. Experts with more tokens go first (slot-major), so that the last
+  // tasks are the light ones. Where every active expert has as many tokens (T = 1, among others) consecutive tasks
+  // go to different experts (block-major), so that the threads read different experts' matrices at once rather
+  // than neighbouring blocks of one: in-process A/B on the Zen 5 VM, 2 threads, T = 1, the probe at 68-77 GB/s,
+  // medians of 7-10 rounds (two runs): DeepSeek-V3 fp8 1.00x and 1.04x, int4 1.02x, int8 1.03x, bf16 1.02x;
+  // Qwen3-30B-A3B fp8 1.03x and 1.06x, int4 1.04x, int8 1.03x, bf16 0.99x (rounds 0.89-1.26).
+  const bool equal_loads = count[slots.front()] == count[slots.back()];
+  auto slot_block = [&](I64 task, I64 blocks) {
+    return equal_loads ? std::pair<I64, I64>(task % S, task / S) : std::pair<I64, I64>(task / blocks, task % blocks);
+  };
   std::vector<int32_t> pair_token(static_cast<size_t>(T * K));  // pair row (grouped by slot) -> token
   std::vector<I64> pair_row(static_cast<size_t>(T * K));        // (t, k) -> pair row
   {
@@ -227,7 +238,8 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   float* scratch = ws.scratch.grow(static_cast<I64>(threads) * 2 * max_tokens * max_blk, -1);
   pool.parallel_for_nodes(tasks, [&](int n, I64 task, int thread) {
     const I64 bi = blk_i[n], rows = nodes[n].end - nodes[n].begin;
-    const I64 s = task / blocks_i[n], r0 = (task % blocks_i[n]) * bi, r1 = std::min(rows, r0 + bi);
+    const auto [s, block] = slot_block(task, blocks_i[n]);
+    const I64 r0 = block * bi, r1 = std::min(rows, r0 + bi);
     const ExpertMatrices& ex = nodes[n].experts[slots[s]];
     const I64 m = slot_begin[s + 1] - slot_begin[s];
     const Activations acts = xin.view(m, pair_token.data() + slot_begin[s], 0);
@@ -255,7 +267,8 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   ws.nodes = N;
   for (int n = 0; n < N; ++n) tasks[n] = S * blocks_h[n];
   pool.parallel_for_nodes(tasks, [&](int n, I64 task, int) {
-    const I64 s = task / blocks_h[n], r0 = (task % blocks_h[n]) * blk_h[n], r1 = std::min(H, r0 + blk_h[n]);
+    const auto [s, block] = slot_block(task, blocks_h[n]);
+    const I64 r0 = block * blk_h[n], r1 = std::min(H, r0 + blk_h[n]);
     const I64 m = slot_begin[s + 1] - slot_begin[s];
     const Activations acts = inter[n].view(m, nullptr, slot_begin[s]);
     kt.matmul(nodes[n].experts[slots[s]].down, r0, r1, acts, y[n].data() + slot_begin[s] * H + r0, H, in.path);

@@ -7,9 +7,10 @@
 //   quantise  int formats: the intermediate rows -> int8 per group
 //   down      (expert x block of H rows) -> one output row per (token, expert) pair
 //   combine   (token x block of H): weighted sum over the token's experts, stored in hidden's dtype
-// Experts with more tokens are scheduled first so that uneven loads balance. With several NUMA nodes, each
-// node's threads run gate/up/quantise/down on the node's shard of the intermediate dimension only (see
-// moe_shards.h), giving a partial down output per node, and combine sums the partials.
+// Experts with more tokens are scheduled first so that uneven loads balance (equal loads: one block of each expert
+// in turn). With several NUMA nodes, each node's threads run gate/up/quantise/down on the node's shard of the
+// intermediate dimension only (see moe_shards.h), giving a partial down output per node, and combine sums the
+// partials.
 //
 // Legend: T tokens, H hidden, K top-k, I expert intermediate, E experts, A = T*K (token, expert) pairs.
 #pragma once
