@@ -7,7 +7,9 @@ with several real nodes each shard is copied once at load into memory bound to i
 of the original tensors (FusedMoE.owns_weights); with one node, or emulated nodes, shards are views of the weights.
 The copies are 2 MB-aligned and advised for transparent huge pages (one TLB entry per 2 MB of streamed weights:
 0-8% more decode bandwidth measured on the 1-node development machine). HYBRIDMOE_COPY_EXPERTS=1 asks for them on
-one node too (the experts whole: zero-copy from the checkpoint traded for huge pages), =0 turns them off.
+one node too (the experts whole: zero-copy from the checkpoint traded for memory of the kernels' own, where
+the checkpoint's mapping does not get huge pages by itself; see hybridmoe.checkpoint.safetensors_reader), =0
+turns them off.
 Each node's work buffers (intermediate activations, partial outputs) are bound to its memory too.
 
 The topology is detected from /sys/devices/system/node; HYBRIDMOE_NUMA_NODES="0-3;4-7" (one cpulist per node)
