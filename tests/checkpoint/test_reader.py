@@ -36,19 +36,22 @@ def test_sharded_checkpoint_round_trips_and_is_zero_copy(tmp_path):
     assert a.data_ptr() == b.data_ptr()  # both are views of the same mapped pages, not copies
 
 
-def _vm_flags(path) -> list[str]:
-    """The VmFlags of this process's mappings of `path` (/proc/self/smaps)."""
+def _vm_flags(path) -> list[list[str]]:
+    """The VmFlags of each of this process's mappings of `path` (/proc/self/smaps)."""
     flags, current = [], None
-    for line in open("/proc/self/smaps"):
-        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
-            current = line.split()[-1] if len(line.split()) >= 6 else None
-        elif line.startswith("VmFlags:") and current == str(path):
-            flags.append(line.split()[1:])
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if line[0] in "0123456789abcdef" and "-" in fields[0]:
+                current = fields[-1] if len(fields) >= 6 else None
+            elif line.startswith("VmFlags:") and current == str(path):
+                flags.append(fields[1:])
     return flags
 
 
-@pytest.mark.skipif(not (mmap_module.__dict__.get("MADV_HUGEPAGE") and os.path.exists("/proc/self/smaps")),
-                    reason="needs Linux madvise(MADV_HUGEPAGE) and /proc/self/smaps")
+@pytest.mark.skipif(not (hasattr(mmap_module, "MADV_HUGEPAGE") and os.path.exists("/proc/self/smaps")
+                         and os.path.exists("/sys/kernel/mm/transparent_hugepage")),
+                    reason="needs Linux with transparent huge pages and /proc/self/smaps")
 def test_mapped_files_are_advised_for_huge_pages(tmp_path):
     save_file({"w": torch.randn(256, 256)}, str(tmp_path / "model.safetensors"))
     reader = CheckpointReader(tmp_path)
