@@ -68,80 +68,26 @@ void matmul(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64
 }
 
 // quantize_row (activation_quant.h) in vectors, bit for bit: the same multiply, rounded to nearest even by
-// cvtps2dq as nearbyint rounds in the default mode, the clamp, the scale and qsum from the group's int sum. Whole
-// groups of a multiple of 32 elements; a last partial group (k not a multiple of the group) through the scalar
-// one. The scalar one calls libm's nearbyint per element (this library's portable files are compiled for the
-// baseline ISA): Qwen3-30B-A3B shapes, int4, one thread, T = 1: 3.6% of the MoE's time.
+// cvtps2dq as nearbyint rounds in the default mode, the clamp, the scale and qsum from the group's int sum (V::abs_max,
+// V::quantize_i8). Whole groups of a multiple of 32 elements; a last partial group (k not a multiple of the group)
+// through the scalar one. The scalar one calls libm's nearbyint per element (this library's portable files are
+// compiled for the baseline ISA): Qwen3-30B-A3B shapes, int4, one thread, T = 1: 3.6% of the MoE's time.
 template <class V>
 void quantize_row_simd(const float* x, I64 k, I64 padded, int group, int8_t* q, float* scale, float* qsum) {
   const I64 whole = group % 32 == 0 ? k / group : 0;
   for (I64 g = 0; g < whole; ++g) {
     const float* xg = x + g * group;
     int8_t* qg = q + g * group;
-#ifdef __AVX512F__
-    if constexpr (V::W == 16) {
-      const __m512 sign = _mm512_set1_ps(-0.0f), largest = _mm512_set1_ps(FLT_MAX);
-      __m512 amax = _mm512_setzero_ps();
-      __mmask16 bad = 0;
-      for (int i = 0; i < group; i += 16) {
-        const __m512 a = _mm512_andnot_ps(sign, _mm512_loadu_ps(xg + i));
-        bad |= _mm512_cmp_ps_mask(a, largest, _CMP_NLE_UQ);  // NaN or infinite
-        amax = _mm512_max_ps(amax, a);
-      }
-      if (bad) {
-        std::memset(qg, 0, static_cast<size_t>(group));
-        scale[g] = qsum[g] = NAN;
-        continue;
-      }
-      const float m = _mm512_reduce_max_ps(amax);
-      const __m512 inv = _mm512_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
-      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-      __m512i sum = _mm512_setzero_si512();
-      for (int i = 0; i < group; i += 16) {
-        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + i), inv));
-        const __m512i r = _mm512_min_epi32(hi, _mm512_max_epi32(lo, v));
-        sum = _mm512_add_epi32(sum, r);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(qg + i), _mm512_cvtsepi32_epi8(r));
-      }
-      scale[g] = m / 127.0f;
-      qsum[g] = scale[g] * static_cast<float>(_mm512_reduce_add_epi32(sum));
-      continue;
-    }
-#endif
-    const __m256 sign = _mm256_set1_ps(-0.0f), largest = _mm256_set1_ps(FLT_MAX);
-    __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-    for (int i = 0; i < group; i += 8) {
-      const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + i));
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));  // NaN or infinite
-      amax = _mm256_max_ps(amax, a);
-    }
-    if (_mm256_movemask_ps(bad)) {
+    bool finite;
+    const float m = V::abs_max(xg, group, finite);
+    if (!finite) {
       std::memset(qg, 0, static_cast<size_t>(group));
       scale[g] = qsum[g] = NAN;
       continue;
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    const __m256 inv = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
-    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
-    __m256i sum = _mm256_setzero_si256();
-    for (int i = 0; i < group; i += 32) {  // 4 vectors -> 32 int8 in order
-      __m256i r[4];
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + i + 8 * j), inv));
-        r[j] = _mm256_min_epi32(hi, _mm256_max_epi32(lo, v));
-        sum = _mm256_add_epi32(sum, r[j]);
-      }
-      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qg + i),
-                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    }
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    const int32_t sum = V::quantize_i8(xg, group, m > 0.0f ? 127.0f / m : 0.0f, qg);
     scale[g] = m / 127.0f;
-    qsum[g] = scale[g] * static_cast<float>(_mm_cvtsi128_si32(s4));
+    qsum[g] = scale[g] * static_cast<float>(sum);
   }
   const I64 done = whole * group;
   if (done < padded) quantize_row(x + done, k - done, padded - done, group, q + done, scale + whole, qsum + whole);

@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 
+#include <cfloat>
 #include <cstdint>
 
 namespace hm {
@@ -95,6 +96,43 @@ struct Avx2 {
   static __m256i dot_i8(__m256i acc, __m256i w, __m256i s) {
     const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(s, s), _mm256_sign_epi8(w, s));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
+  }
+
+  // Activation quantisation (quantize_row_simd, kernels_simd.h), n a multiple of 32:
+  // max |x[i]|, and whether every x[i] is finite;
+  static float abs_max(const float* x, int n, bool& finite) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), largest = _mm256_set1_ps(FLT_MAX);
+    __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) {
+      const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i));
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));  // NaN or infinite
+      amax = _mm256_max_ps(amax, a);
+    }
+    finite = !_mm256_movemask_ps(bad);
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  // q[i] = clamp(x[i] * inv rounded to nearest even (cvtps2dq), -127, 127); returns the sum of q.
+  static int32_t quantize_i8(const float* x, int n, float inv, int8_t* q) {
+    const __m256 s = _mm256_set1_ps(inv);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    __m256i sum = _mm256_setzero_si256();
+    for (int i = 0; i < n; i += 32) {  // 4 vectors -> 32 int8 in order
+      __m256i r[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), s));
+        r[j] = _mm256_min_epi32(hi, _mm256_max_epi32(lo, v));
+        sum = _mm256_add_epi32(sum, r[j]);
+      }
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
+                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s4);
   }
 };
 

@@ -6,6 +6,7 @@
 
 #include <immintrin.h>
 
+#include <cfloat>
 #include <cstdint>
 
 namespace hm {
@@ -77,6 +78,34 @@ struct Avx512 {
   static constexpr int kI8Offset = 128;
   static __m256i dot_i8(__m256i acc, __m256i w, __m256i s) {
     return _mm256_dpbusd_epi32(acc, _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))), s);
+  }
+
+  // Activation quantisation (quantize_row_simd, kernels_simd.h), n a multiple of 32:
+  // max |x[i]|, and whether every x[i] is finite;
+  static float abs_max(const float* x, int n, bool& finite) {
+    const __m512 sign = _mm512_set1_ps(-0.0f), largest = _mm512_set1_ps(FLT_MAX);
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int i = 0; i < n; i += 16) {
+      const __m512 a = _mm512_andnot_ps(sign, _mm512_loadu_ps(x + i));
+      bad |= _mm512_cmp_ps_mask(a, largest, _CMP_NLE_UQ);  // NaN or infinite
+      amax = _mm512_max_ps(amax, a);
+    }
+    finite = !bad;
+    return _mm512_reduce_max_ps(amax);
+  }
+  // q[i] = clamp(x[i] * inv rounded to nearest even (cvtps2dq), -127, 127); returns the sum of q.
+  static int32_t quantize_i8(const float* x, int n, float inv, int8_t* q) {
+    const __m512 s = _mm512_set1_ps(inv);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    __m512i sum = _mm512_setzero_si512();
+    for (int i = 0; i < n; i += 16) {
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), s));
+      const __m512i r = _mm512_min_epi32(hi, _mm512_max_epi32(lo, v));
+      sum = _mm512_add_epi32(sum, r);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(r));
+    }
+    return _mm512_reduce_add_epi32(sum);
   }
 };
 
