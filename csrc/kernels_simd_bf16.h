@@ -41,18 +41,29 @@ inline bool bf16_row_overflows(const float* src, I64 K, I64 bc, const float* sro
 }
 
 // scale_activations (kernels_simd_float.h) into bf16, by the vocabulary's own rounding where it has one
-// (V::scale_to_bf16; the exact overflow test then runs only when an output came out infinite).
+// (V::scale_row_to_bf16; the exact overflow test then runs only when an output came out infinite).
 template <class V>
 inline bool scale_activations_bf16(const Matrix& w, const float* srow, const Activations& x, float unscale,
                                    uint16_t* dst, I64 ld, const uint16_t** rows) {
   if constexpr (!V::kNativeBf16Round) {
     return scale_activations(w, srow, x, unscale, dst, ld, rows);
   } else {
-    const bool infinite = scale_rows(w, srow, x, unscale, dst, ld, rows, [](const float* src, float s, uint16_t* out,
-                                                                            I64 n) {
-      return V::scale_to_bf16(src, s, out, n);
-    });
     const I64 bc = srow ? w.block_cols : w.cols;
+    bool infinite = false;
+    if (srow && bc % 32) {  // blocks that end within a vector: a call per block
+      infinite = scale_rows(w, srow, x, unscale, dst, ld, rows, [](const float* src, float s, uint16_t* out, I64 n) {
+        return V::scale_row_to_bf16(src, nullptr, 0, s, out, n);
+      });
+    } else {
+      // a call per row: against a call per 128-column block, Zen 5, one thread, fp8 rows in L2: 1.06x for 16 rows
+      // x 2048 columns at 8 tokens; the MoE at Qwen3-30B-A3B shapes, T = 256: 1.015-1.03x (DeepSeek-V3 1.00x)
+      for (I64 m = 0; m < x.m; ++m) {
+        uint16_t* out = dst + m * ld;
+        infinite |= V::scale_row_to_bf16(x_row(x, m), srow, bc, unscale, out, w.cols);
+        for (I64 k = w.cols; k < ld; ++k) out[k] = 0;
+        rows[m] = out;
+      }
+    }
     for (I64 m = 0; infinite && m < x.m; ++m)
       if (bf16_row_overflows(x_row(x, m), w.cols, bc, srow, unscale)) return false;
     return true;

@@ -307,8 +307,8 @@ inline bool scale_rows(const Matrix& w, const float* srow, const Activations& x,
   for (I64 m = 0; m < x.m; ++m) {
     T* out = dst + m * ld;
     const float* src = x_row(x, m);
-    for (I64 kb = 0; kb < K; kb += bc)
-      any |= block(src + kb, (srow ? srow[kb / bc] : 1.0f) * unscale, out + kb, imin(K, kb + bc) - kb);
+    for (I64 kb = 0, b = 0; kb < K; kb += bc, ++b)
+      any |= block(src + kb, (srow ? srow[b] : 1.0f) * unscale, out + kb, imin(K, kb + bc) - kb);
     for (I64 k = K; k < ld; ++k) out[k] = T{0};
     rows[m] = out;
   }

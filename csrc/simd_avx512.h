@@ -137,27 +137,34 @@ struct Avx512Bf16 : Avx512 {
   static F dot_b(F acc, B a, B b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
   }
-  // dst[k] = bf16(src[k] * s) for k < n, rounded to nearest even by vcvtne2ps2bf16 (which, like vdpbf16ps,
-  // takes float32 denormals as zero); true when an output is infinite. 32 lanes a step, the tail masked.
   static constexpr bool kNativeBf16Round = true;
-  static bool scale_to_bf16(const float* src, float s, uint16_t* dst, int64_t n) {
-    const __m512 sv = _mm512_set1_ps(s);
+  // One row: dst[k] = bf16(src[k] * scales[k / bc] * unscale) for k < n (scales == nullptr: * unscale everywhere,
+  // bc unused; else bc a multiple of 32), rounded to nearest even by vcvtne2ps2bf16 (which, like vdpbf16ps, takes
+  // float32 denormals as zero); true when an output is infinite. 32 lanes a step, the scale set per block, the
+  // tail masked.
+  static bool scale_row_to_bf16(const float* src, const float* scales, int64_t bc, float unscale, uint16_t* dst,
+                                int64_t n) {
     const __m512i magnitude = _mm512_set1_epi16(0x7FFF), inf = _mm512_set1_epi16(0x7F80);
     __mmask32 infinite = 0;
+    const int64_t whole = n / 32 * 32;
     int64_t k = 0;
-    for (; k + 32 <= n; k += 32) {
-      const __m512 lo = _mm512_loadu_ps(src + k), hi = _mm512_loadu_ps(src + k + 16);
-      const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, sv), _mm512_mul_ps(lo, sv));
-      _mm512_storeu_si512(dst + k, b);
-      infinite |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(b, magnitude), inf);
+    for (int64_t b = 0; k < whole; ++b) {
+      const __m512 sv = _mm512_set1_ps((scales ? scales[b] : 1.0f) * unscale);
+      for (const int64_t end = scales && k + bc < whole ? k + bc : whole; k < end; k += 32) {
+        const __m512 lo = _mm512_loadu_ps(src + k), hi = _mm512_loadu_ps(src + k + 16);
+        const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, sv), _mm512_mul_ps(lo, sv));
+        _mm512_storeu_si512(dst + k, v);
+        infinite |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(v, magnitude), inf);
+      }
     }
     if (k < n) {
+      const __m512 sv = _mm512_set1_ps((scales ? scales[k / bc] : 1.0f) * unscale);
       const __mmask32 m = (__mmask32{1} << (n - k)) - 1;
       const __m512 lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>(m), src + k);
       const __m512 hi = _mm512_maskz_loadu_ps(static_cast<__mmask16>(m >> 16), src + k + 16);
-      const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, sv), _mm512_mul_ps(lo, sv));
-      _mm512_mask_storeu_epi16(dst + k, m, b);
-      infinite |= _mm512_mask_cmpeq_epi16_mask(m, _mm512_and_si512(b, magnitude), inf);
+      const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, sv), _mm512_mul_ps(lo, sv));
+      _mm512_mask_storeu_epi16(dst + k, m, v);
+      infinite |= _mm512_mask_cmpeq_epi16_mask(m, _mm512_and_si512(v, magnitude), inf);
     }
     return infinite != 0;
   }
