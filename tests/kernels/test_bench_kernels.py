@@ -42,22 +42,36 @@ def test_bench_writes_the_report(tmp_path, monkeypatch):
     assert report["memory_bandwidth_gbs"] == max(report["memory_bandwidth_gbs_probes"])
 
 
-def test_cases_are_timed_after_warming_up_for_a_while(monkeypatch):
-    """_median_time calls the first routing on layer 0 until WARMUP_SECONDS have passed, then times routing i on
-    layer i once each and returns the median of those times (on a fake clock that each call advances)."""
+def test_kernels_and_torch_are_timed_in_pairs_after_warming_up(monkeypatch):
+    """_paired_times calls the kernels on the first routing (layer 0) until WARMUP_SECONDS have passed, then per
+    routing i: the kernels on layer 0 for SETTLE_SECONDS, untimed, and on layer i; torch likewise. The speedup is
+    the median of the pairs' ratios, not the ratio of the medians (on a fake clock that each call advances)."""
     clock = types.SimpleNamespace(now=0.0)
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
-    monkeypatch.setattr(bench, "WARMUP_SECONDS", 0.05)
-    durations = {0: 0.01, 1: 0.001, 2: 0.003, 3: 0.002}
+    ms = 2.0 ** -10  # about a millisecond, exact in binary, so that the clock's sums are too
+    monkeypatch.setattr(bench, "WARMUP_SECONDS", 40 * ms)
+    monkeypatch.setattr(bench, "SETTLE_SECONDS", 16 * ms)
+    kernel_s = {0: 8 * ms, 1: 1 * ms, 2: 3 * ms, 3: 2 * ms}
+    torch_s = {0: 1000 * ms, 1: 4 * ms, 2: 9 * ms, 3: 10 * ms}  # ratios 4, 3, 5: median 4; of the medians 4.5
     calls = []
 
-    def call(layer, hidden, ids, weights):
-        calls.append((layer, ids))
-        clock.now += durations[layer]
+    def call(name, durations):
+        def run(layer, hidden, ids, weights):
+            calls.append((name, layer, ids))
+            clock.now += durations[layer]
+        return run
 
-    seconds = bench._median_time(call, [(f"ids{i}", f"w{i}") for i in range(4)], None)
-    assert calls == [(0, "ids0")] * 5 + [(1, "ids1"), (2, "ids2"), (3, "ids3")]  # 5 x 0.01 s reach 0.05 s
-    assert seconds == pytest.approx(0.002)
+    routings = [(f"ids{i}", f"w{i}") for i in range(4)]
+    kernel_seconds, torch_seconds, speedup = bench._paired_times(call("kernel", kernel_s), call("torch", torch_s),
+                                                                 routings, None)
+    kernel_settle = [("kernel", 0, "ids0")] * 2  # 2 x 8 ms reach 16 ms
+    torch_settle = [("torch", 0, "ids0")]  # one call at least
+    assert calls == ([("kernel", 0, "ids0")] * 5  # 5 x 8 ms reach 40 ms
+                     + kernel_settle + [("kernel", 1, "ids1")] + torch_settle + [("torch", 1, "ids1")]
+                     + kernel_settle + [("kernel", 2, "ids2")] + torch_settle + [("torch", 2, "ids2")]
+                     + kernel_settle + [("kernel", 3, "ids3")] + torch_settle + [("torch", 3, "ids3")])
+    assert (kernel_seconds, torch_seconds) == (2 * ms, 9 * ms)
+    assert speedup == pytest.approx(4.0)
 
 
 def test_unknown_formats_are_refused():

@@ -8,7 +8,8 @@ larger than the caches (1 GiB, 256 MiB with --quick, or 4x the last-level cache 
 layers of E experts as the pool fills, called in turn as a model's layers are (the Qwen3 shapes' 128 experts
 hold 300-600 MB, which a server's last-level cache can nearly hold), and each repeat draws a new routing, so
 weights stream from memory as in decode. Side by side, on the same layers and routing: torch bf16 matmul on
-pre-converted weights, and torch dequantise-then-matmul of the format's weights.
+pre-converted weights (each routing's torch call right after the kernels' call, _paired_times), and torch
+dequantise-then-matmul of the format's weights.
 
 The bandwidth probe's buffer comes from numpy, which asks for transparent huge pages, and so do the experts: a
 pool's tensors lie in one numpy-allocated block (_HugePageArena), read in place by the kernels and by torch's
@@ -60,6 +61,7 @@ EXPERT_MEMORY = {False: "read in place (huge pages)", True: "copied at load (hug
 # of 8 calls after one warm-up call: 3.0-5.6 ms after 1 s idle, 1.9-3.1 ms right after torch's calls; 2.4-2.9 ms
 # after 1 s idle and 0.2 s of warm-up calls), so each case first calls for this long.
 WARMUP_SECONDS = 0.2
+SETTLE_SECONDS = 0.02  # untimed calls before each timed one of a pair (_paired_times)
 DEQUANT_MAX_EXPERTS = {False: 8, True: 2}  # by quick: experts the dequantise baseline times per call, then scales
 
 
@@ -213,19 +215,31 @@ def _routings(tokens: int, num_experts: int, top_k: int, count: int) -> list[tup
     return out
 
 
-def _median_time(call, routings, hidden) -> float:
-    """Median seconds of call(layer, hidden, ids, weights) over the routings after the first, the i-th routing on
-    layer i, after warm-up calls with the first routing on layer 0 for at least WARMUP_SECONDS."""
+def _warm_up(call, routing, hidden, seconds: float) -> None:
+    """call(0, hidden, *routing) once, then again until `seconds` have passed since the first call began."""
     start = time.perf_counter()
-    call(0, hidden, *routings[0])
-    while time.perf_counter() - start < WARMUP_SECONDS:
-        call(0, hidden, *routings[0])
-    times = []
+    call(0, hidden, *routing)
+    while time.perf_counter() - start < seconds:
+        call(0, hidden, *routing)
+
+
+def _paired_times(kernel, baseline, routings, hidden) -> tuple[float, float, float]:
+    """The kernels and a torch baseline (each call(layer, hidden, ids, weights)) on the same routings, back to back:
+    after the kernels' warm-up (the first routing on layer 0 for WARMUP_SECONDS), per routing i: the kernels, then
+    torch, each on layer i right after its own untimed calls on layer 0 for SETTLE_SECONDS (at least one), so that
+    each runs with its threads awake and the other's idle (torch's OpenMP threads spin a while after its calls, and
+    fall asleep during the kernels'). The host's bandwidth drifts within minutes, so each pair meets it alike.
+    Returns the kernels' median seconds, torch's, and the median over the pairs of torch / kernels."""
+    _warm_up(kernel, routings[0], hidden, WARMUP_SECONDS)
+    kernel_times, baseline_times = [], []
     for layer, (ids, weights) in enumerate(routings[1:], 1):
-        start = time.perf_counter()
-        call(layer, hidden, ids, weights)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+        for call, times in ((kernel, kernel_times), (baseline, baseline_times)):
+            _warm_up(call, routings[0], hidden, SETTLE_SECONDS)
+            start = time.perf_counter()
+            call(layer, hidden, ids, weights)
+            times.append(time.perf_counter() - start)
+    ratios = np.array(baseline_times) / np.array(kernel_times)
+    return float(np.median(kernel_times)), float(np.median(baseline_times)), float(np.median(ratios))
 
 
 def _torch_moe(expert_weights, hidden, ids, weights, limit: int | None = None) -> int:
@@ -277,29 +291,33 @@ def bench_shape(name: str, fmts: list[str], quick: bool, probe: MachineProbe, lo
     routing = {t: _routings(t, num_experts, top_k, 1 + (repeats if t < 256 else max(2, repeats // 3)))
                for t in tokens_list}
     hid = {t: torch.randn(t, hidden).bfloat16() for t in tokens_list}
-    torch_bf16 = {t: _median_time(lambda layer, h, i, w: _torch_moe(
-                      lambda e: [m[0] for m in bf16_pool.expert(layer, e)], h, i, w), routing[t], hid[t])
-                  for t in tokens_list}
+
+    def torch_bf16(layer, h, ids, weights):
+        return _torch_moe(lambda e: [m[0] for m in bf16_pool.expert(layer, e)], h, ids, weights)
+
     results = []
     for fmt in fmts:
         pool = bf16_pool if fmt == "bf16" else ExpertPool(fmt, hidden, inter, num_experts, pool_bytes(quick), source)
-        # the kernels first, then torch: torch's OpenMP threads keep spinning a while after each call
         # each case between two probes (one case's probe after is the next one's before)
-        kernel_seconds, probes, before = {}, {}, probe.beside()
+        kernel_seconds, torch_seconds, speedup, probes, before = {}, {}, {}, {}, probe.beside()
         for t in tokens_list:
-            kernel_seconds[t] = _median_time(pool.moe, routing[t], hid[t])
+            kernel_seconds[t], torch_seconds[t], speedup[t] = _paired_times(pool.moe, torch_bf16, routing[t], hid[t])
             after = probe.beside()
             probes[t] = (max(before[0], after[0]), max(before[1], after[1]))
             before = after
         for t in tokens_list:
             seconds = kernel_seconds[t]
             active = float(np.mean([ids.unique().numel() for ids, _ in routing[t][1:]]))
-            dequant, estimated = _dequant_time(pool, routing[t], hid[t], torch_bf16[t] if fmt == "bf16" else None,
-                                               DEQUANT_MAX_EXPERTS[quick], 1 if quick else 2)
+            if fmt == "bf16":  # bf16 weights need no dequantisation: the same baseline
+                vs_dequant, estimated = speedup[t], False
+            else:
+                dequant, estimated = _dequant_time(pool, routing[t], hid[t], DEQUANT_MAX_EXPERTS[quick],
+                                                   1 if quick else 2)
+                vs_dequant = dequant / seconds
             gbs = active * pool.expert_bytes / seconds / 1e9
             row = {"shape": name, "format": fmt, "tokens": t, "ms": seconds * 1e3, "weight_gbs": gbs,
-                   "gflops": flops_per_pair * t * top_k / seconds / 1e9,
-                   "speedup_vs_bf16_torch": torch_bf16[t] / seconds, "speedup_vs_dequant_torch": dequant / seconds,
+                   "gflops": flops_per_pair * t * top_k / seconds / 1e9, "torch_bf16_ms": torch_seconds[t] * 1e3,
+                   "speedup_vs_bf16_torch": speedup[t], "speedup_vs_dequant_torch": vs_dequant,
                    "dequant_torch_estimated": estimated, "distinct_experts": pool.distinct,
                    "layers": pool.num_layers,
                    "probe_gbs": probes[t][0], "probe_gflops": probes[t][1]}
@@ -313,11 +331,8 @@ def bench_shape(name: str, fmts: list[str], quick: bool, probe: MachineProbe, lo
     return results
 
 
-def _dequant_time(pool: ExpertPool, routings, hidden, same_as: float | None, max_experts: int,
-                  runs: int) -> tuple[float, bool]:
-    """Torch dequantise-then-matmul on the same routing (bf16 weights need no dequantisation)."""
-    if same_as is not None:
-        return same_as, False
+def _dequant_time(pool: ExpertPool, routings, hidden, max_experts: int, runs: int) -> tuple[float, bool]:
+    """Torch dequantise-then-matmul on the same routing."""
     times, estimated = [], False
     for layer, (ids, weights) in enumerate(routings[1:1 + runs], 1):
         active = ids.unique().numel()
