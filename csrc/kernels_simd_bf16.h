@@ -157,13 +157,15 @@ void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activatio
         exact_ready = true;
       }
       const uint8_t* next = next_tile_rows(w, r, r1, R, K * B, ahead);
+      bool first = true;  // the first token tile prefetches the next row tile
       for_each_token_tile_upto<V::kBf16Tokens>(M, [&](auto tile, I64 m) HM_TILE_LAMBDA {
         constexpr int MT = decltype(tile)::kTokens;
         float o[R][MT];
         bf16_dot_tile<V, F, R, MT, P>(w, rowp, rows, fast ? fast_rows + m : nullptr, exact_rows + m, o,
-                                   m == 0 ? next : nullptr);
+                                   first ? next : nullptr);
+        first = false;
         store_tile<R, MT>(y, ldy, m, r - r0, imin(R, s1 - r), true, o, output_scale);
-      });
+      }, serpentine_reverse<R>(r - s0));
     }
     s0 = s1;
   }
