@@ -46,12 +46,12 @@ xdist=$("$PYTHON" -c "import xdist" 2>/dev/null && echo "-n 8")
 for s in $STEPS; do
   case $s in
     kernels) TAIL=15 step 240 tests_kernels.log "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels ;;
-    bench) TAIL=45 step 240 bench.txt "$PYTHON" -m hybridmoe.cli bench kernels --json "$OUT/bench_best.json" ;;
+    bench) TAIL=45 step 360 bench.txt "$PYTHON" -m hybridmoe.cli bench kernels --json "$OUT/bench_best.json" ;;
     avx512) if "$PYTHON" -c "import sys; from hybridmoe.kernels import isa; sys.exit('avx512' not in isa.available_isas())"
-            then TAIL=12 step 150 bench.txt env HYBRIDMOE_ISA=avx512 \
+            then TAIL=12 step 240 bench.txt env HYBRIDMOE_ISA=avx512 \
                    "$PYTHON" -m hybridmoe.cli bench kernels --formats fp8,bf16 --json "$OUT/bench_avx512.json"
             else echo "== avx512: skipped, this CPU has no AVX-512"; fi ;;
-    avx2) TAIL=12 step 90 bench.txt env HYBRIDMOE_ISA=avx2 \
+    avx2) TAIL=12 step 120 bench.txt env HYBRIDMOE_ISA=avx2 \
             "$PYTHON" -m hybridmoe.cli bench kernels --quick --json "$OUT/bench_avx2.json" ;;
     profile) TAIL=5 step 120 bench.txt "$PYTHON" -m hybridmoe.cli profile --quick --out "$OUT/profile.json" ;;
     rest) TAIL=25 step 240 tests_rest.log "$PYTHON" -m pytest -q -p no:cacheprovider $xdist \
