@@ -296,32 +296,40 @@ inline uint16_t bf16_bits(float f) {
   return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
 }
 
-// For each token m: block(src, s, out, n) over the column blocks of its row (src and out at the block's first
-// column, n its columns, s its fp8 block scale * unscale; srow == nullptr: one block, scale 1), then out zeroed
-// past K and rows[m] = out (M rows of ld from dst). Returns whether any block returned true.
-template <class T, class Block>
-inline bool scale_rows(const Matrix& w, const float* srow, const Activations& x, float unscale, T* dst, I64 ld,
-                       const T** rows, Block&& block) {
-  const I64 K = w.cols, bc = srow ? w.block_cols : K;
+// For each token m: row(src, out) for its activations src and its copy out (M rows of ld from dst), then out
+// zeroed past K and rows[m] = out. Returns whether any row returned true.
+template <class T, class Row>
+inline bool scale_rows(const Activations& x, I64 K, T* dst, I64 ld, const T** rows, Row&& row) {
   bool any = false;
   for (I64 m = 0; m < x.m; ++m) {
     T* out = dst + m * ld;
-    const float* src = x_row(x, m);
-    for (I64 kb = 0, b = 0; kb < K; kb += bc, ++b)
-      any |= block(src + kb, (srow ? srow[b] : 1.0f) * unscale, out + kb, imin(K, kb + bc) - kb);
+    any |= row(x_row(x, m), out);
     for (I64 k = K; k < ld; ++k) out[k] = T{0};
     rows[m] = out;
   }
   return any;
 }
 
-// Rows x[m] * s[column block] * unscale into dst (see scale_rows), as float32 (T = float) or rounded to bf16
-// (T = uint16_t); srow: one row block's fp8 block scales, nullptr for 1 everywhere. False when a finite product
-// became infinite (overflowed the output type's range).
+// block(src, s, out, n) over the column blocks of one row of w's width (src and out at the block's first column,
+// n its columns, s its fp8 block scale * unscale; srow == nullptr: one block, scale unscale). Returns whether any
+// block returned true.
+template <class T, class Block>
+inline bool scale_blocks(const Matrix& w, const float* srow, float unscale, const float* src, T* out,
+                         Block&& block) {
+  const I64 K = w.cols, bc = srow ? w.block_cols : K;
+  bool any = false;
+  for (I64 kb = 0, b = 0; kb < K; kb += bc, ++b)
+    any |= block(src + kb, (srow ? srow[b] : 1.0f) * unscale, out + kb, imin(K, kb + bc) - kb);
+  return any;
+}
+
+// Rows x[m] * s[column block] * unscale into dst (see scale_rows, scale_blocks), as float32 (T = float) or rounded
+// to bf16 (T = uint16_t); srow: one row block's fp8 block scales, nullptr for 1 everywhere. False when a finite
+// product became infinite (overflowed the output type's range).
 template <class T>
 inline bool scale_activations(const Matrix& w, const float* srow, const Activations& x, float unscale, T* dst,
                               I64 ld, const T** rows) {
-  return !scale_rows(w, srow, x, unscale, dst, ld, rows, [](const float* src, float s, T* out, I64 n) {
+  auto block = [](const float* src, float s, T* out, I64 n) {
     int overflow = 0;  // branch-free, so that the loop vectorises
     for (I64 k = 0; k < n; ++k) {
       int infinite;
@@ -337,6 +345,9 @@ inline bool scale_activations(const Matrix& w, const float* srow, const Activati
       overflow |= infinite & static_cast<int>(std::fabs(src[k]) <= FLT_MAX);
     }
     return overflow != 0;
+  };
+  return !scale_rows(x, w.cols, dst, ld, rows, [&](const float* src, T* out) {
+    return scale_blocks(w, srow, unscale, src, out, block);
   });
 }
 
