@@ -176,8 +176,8 @@ def test_gemv_rows_of_1_kb_and_more(each_isa, fmt, cols):
     (the exact decode beside the fast one). 4, 8 and 10 tokens: 3-row tiles on AVX2, for fp8 from 8 tokens only
     with rows of >= 4 KB (gemv_tile_rows). One token against rows of >= 1 KB: one-row tiles (one_row_tiles;
     fp8 with bf16 dot products from 2 KB, also at two tokens; fp8 in the float32 GEMV from 3 KB, on AVX-512
-    only), over fp8 rows of two row blocks; rows under 3 KB prefetch the tile 8 KB ahead
-    (kPrefetchAheadBytes)."""
+    only), over fp8 rows of two row blocks; with bf16 dot products one token's rows take one_token_row, but for
+    the row with the subnormal code; rows under 3 KB prefetch the tile 8 KB ahead (kPrefetchAheadBytes)."""
     gen = torch.Generator().manual_seed(seed(fmt, cols, each_isa))
     rows = 133 if fmt == "fp8" else 21
     if fmt == "fp8":
