@@ -136,7 +136,7 @@ HM_TILE_INLINE float one_token_row(const Matrix& w, const uint8_t* row, const ui
 
 // The GEMV path with bf16 dot products: whole rows, tiles of R rows x up to V::kBf16Tokens tokens, each
 // prefetching the next as P says (NextRows). One token in one-row tiles takes one_token_row for rows without a
-// subnormal code: bit for bit the same; one thread, rows in L2 (`gemv_ab`), fp8 128 x 2048 1.32-1.55x (1.05x with
+// subnormal code: bit for bit the same; one thread, rows in L2 (`gemv_ab`), fp8 128 x 2048 1.24-1.55x (1.05x with
 // a checkpoint's subnormal codes), from memory 0.99x; the MoE at T = 1 (2 threads, in-process A/B, fp8 with a
 // checkpoint's subnormal codes), with the probe at 63-74 GB/s: Qwen3-30B-A3B fp8 1.045x, bf16 1.04x (DeepSeek-V3
 // bf16 1.03x at 60-71); at 40-50 GB/s 1.01-1.02x, where the memory limits.
