@@ -172,13 +172,11 @@ void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activatio
         y[r - r0] = one_token_row<V, F, P>(w, rowp[0], fast_rows[0], next) * output_scale;
         continue;
       }
-      bool first = true;  // the first token tile prefetches the next row tile
-      for_each_token_tile_upto<V::kBf16Tokens>(M, [&](auto tile, I64 m) HM_TILE_LAMBDA {
+      for_each_token_tile_upto<V::kBf16Tokens>(M, [&](auto tile, I64 m, bool first) HM_TILE_LAMBDA {
         constexpr int MT = decltype(tile)::kTokens;
         float o[R][MT];
         bf16_dot_tile<V, F, R, MT, P>(w, rowp, rows, fast ? fast_rows + m : nullptr, exact_rows + m, o,
                                    first ? next : nullptr);
-        first = false;
         store_tile<R, MT>(y, ldy, m, r - r0, imin(R, s1 - r), true, o, output_scale);
       }, serpentine_reverse<R>(r - s0));
     }

@@ -511,13 +511,11 @@ void matmul_int_lanes(const Matrix& w, I64 r0, I64 r1, const Activations& x, flo
     const bool first = s0 == 0;
     for (I64 r = r0; r < r1; r += 4) {
       const IntRowTile tile = int_row_tile(w, r, r1, gemm, row_read_bytes, ahead);
-      bool first_tile = true;  // the first token tile prefetches the next row tile
-      for_each_token_tile_upto<kLaneTileTokens<F>>(M, [&](auto mt, I64 m) HM_TILE_LAMBDA {
+      for_each_token_tile_upto<kLaneTileTokens<F>>(M, [&](auto mt, I64 m, bool first_tile) HM_TILE_LAMBDA {
         constexpr int MT = decltype(mt)::kTokens;
         float o[4][MT];
         int_lane_tile<F, G, ST, 4, MT, P>(tile.rowp, tile.srow, s0, s1, groups, acts, m, o,
                                           first_tile ? tile.next : nullptr);
-        first_tile = false;
         store_tile<4, MT>(y, ldy, m, r - r0, tile.valid, first, o);
       }, serpentine_reverse<4>(r - r0));
     }
