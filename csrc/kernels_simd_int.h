@@ -472,6 +472,42 @@ HM_TILE_INLINE void int_lane_tile(const uint8_t* const* rowp, const uint16_t* co
     for (int j = 0; j < MT; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+// y[0..R) = the dot products of one token with R rows from `row` (row_bytes apart; their scales from srow,
+// scale_stride apart) over `steps` whole steps (xq, t: the token's activations and tables, lane_activations), as
+// int_lane_tile computes them but addressed from one row pointer, without its per-step pointer tables (GCC 12 built
+// them in vectors, extracted each pointer and spilled them every step: a third of the loop's instructions), and
+// with the R sums taken together (V::hsum4) and stored as one vector (a profile of int4 2048 x 768 in L2 had a
+// third of the samples outside the step loop, most in the four horizontal sums). See one_token_lanes.
+template <class V, WFormat F, int G, ScaleType ST, int R, NextRows P>
+HM_TILE_INLINE void one_token_int_lanes(const uint8_t* row, I64 row_bytes, const uint16_t* srow, I64 scale_stride,
+                                        I64 steps, const int8_t* xq, const float* t, float* y,
+                                        const uint8_t* next) {
+  using S = LaneSteps<F, G>;
+  static_assert(R % 4 == 0, "rows are summed four at a time");
+  __m512 acc[R];
+  HM_UNROLL for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (I64 st = 0; st < steps; ++st) {
+    if (next) prefetch_next<P, R, 64>(next, 0, st * 64);
+    const __m512i xlo = _mm512_loadu_si512(xq + st * S::kActBytes);
+    const __m512i xhi = F == WFormat::INT4 ? _mm512_loadu_si512(xq + st * S::kActBytes + 64) : xlo;
+    const __m512 xs = _mm512_loadu_ps(t + st * S::kFloats), c = _mm512_loadu_ps(t + st * S::kFloats + 16);
+    HM_UNROLL for (int i = 0; i < R; ++i) {
+      const __m512i v = _mm512_loadu_si512(row + i * row_bytes + 64 * st);
+      const __m512 ws = lane_weight_scales<F, G, ST>(srow + i * scale_stride + S::first_group(st));
+      __m512i d;
+      if constexpr (F == WFormat::INT4) {
+        d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, _mm512_set1_epi8(0x0F)), xlo);
+        d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)), xhi);
+      } else {
+        d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))),
+                                xlo);
+      }
+      acc[i] = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xs, c), ws, acc[i]);
+    }
+  }
+  HM_UNROLL for (int i = 0; i < R; i += 4) _mm_storeu_ps(y + i, V::hsum4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
+}
+
 // The most tokens of a lane-step register tile of 4 rows: int4 keeps two weight vectors a row live (its nibbles),
 // and 4 x 4 tiles (16 accumulators, 12 row vectors) ran out of registers: one thread, int4 768 x 2048 in L3, 4 x 4
 // tiles at 4 tokens 1.5x the 256-bit kernel, 4 x 3 and 4 x 2 tiles 2.2x at 2-5 tokens; int8 (one vector a row)
@@ -487,17 +523,35 @@ constexpr int kLaneTileTokens = F == WFormat::INT4 ? 3 : 4;
 //   256-bit kernel: 1.04-1.12x from memory and 1.12-1.24x in L3 at 768-7168 columns (without the far prefetch 0.70x
 //   from memory); the MoE (2 threads, in-process A/B) at DeepSeek-V3 shapes T = 1 1.08-1.10x, Qwen3 0.99-1.03x.
 // - int8, groups of 32, from two tokens: at one 0.95-0.97x from memory at 768-2048 columns, 0.76x against its
-//   two-row tiles at 7168.
+//   two-row tiles at 7168 (one token now takes one_token_lanes under 3 KB rows).
 // - int4, groups of 128, from two tokens: in L3 1.11-1.20x at 2, 1.36-1.49x at 4, 1.51-1.61x at 8 (at one 0.95x);
 //   from memory 0.97-1.03x at 2. The MoE (2 threads, in-process A/B, medians of 4 rounds): T = 32 1.35x (Qwen3),
 //   1.06x (DeepSeek-V3); T = 256 1.79x / 1.43x; T = 4 0.97-0.98x (rounds 0.84-1.08).
 template <WFormat F, int G>
 constexpr I64 kLaneMinTokens = F == WFormat::INT4 && G == 32 ? 1 : 2;
 
-// int4 / int8 with groups of G from kLaneMinTokens tokens on AVX-512: register tiles of 4 rows x up to
-// kLaneTileTokens tokens (for_each_token_tile_upto); the GEMM path runs the same tiles over chunks of kGemmChunkK
-// elements.
-template <WFormat F, int G, ScaleType ST, NextRows P>
+// Whether one token against w (int4 / int8 with groups of G) takes one_token_int_lanes tiles of 4 rows: rows under
+// kPrefetchL2MinBytes of whole steps, on AVX-512 also where the lane steps do not start at one token
+// (kLaneMinTokens: int8 with groups of 32, int4 with groups of 128). Measured 2026-12-03 on Zen 5 (one thread,
+// benchmarks/gemv_ab.sh, against the tiles before: int_lane_tile for int4 with groups of 32, else int_tile):
+// - rows in L2: int4 g32 2048 x 768 1.67x, 768 x 2048 1.49x, 256 x 2048 1.37x; int8 g32 2048 x 768 1.54x,
+//   768 x 2048 1.45x; int4 g128 2048 x 768 3.05x, 768 x 2048 1.23x, 7168 x 2048 1.19x;
+// - from memory: int4 g32 2048 x 768 1.08x, 7168 x 2048 1.01-1.04x; int8 g32 7168 x 2048 1.00-1.03x; int4 g128
+//   2048 x 768 1.71x, 7168 x 2048 1.04x; rows of 3.5 KB (2048 x 7168) 0.91-0.96x, hence the bound;
+// - the MoE at T = 1 (2 threads, both ways alternating in one process): Qwen3-30B-A3B int4 1.07-1.08x (medians of
+//   10 rounds), 1.07x with the probe at 59-69 GB/s, where the kernels now read as fast as a plain read of each
+//   task's rows (1.04x of it; int8 1.005x, fp8 1.00x); int8 1.03x there, 1.01x at the low level; DeepSeek-V3 int4
+//   0.98-1.02x, int8 0.99x (its 7 KB gate/up rows keep their two-row tiles).
+template <WFormat F, int G>
+inline bool one_token_lanes(const Matrix& w, I64 tokens, bool gemm) {
+  return tokens == 1 && !gemm && w.row_bytes < kPrefetchL2MinBytes &&
+         (w.padded_cols / G) % LaneSteps<F, G>::kGroups == 0;
+}
+
+// int4 / int8 with groups of G from kLaneMinTokens tokens on AVX-512 (or one_token_lanes): register tiles of 4 rows
+// x up to kLaneTileTokens tokens (for_each_token_tile_upto), at one token one_token_int_lanes for the whole tiles;
+// the GEMM path runs the same tiles over chunks of kGemmChunkK elements.
+template <class V, WFormat F, int G, ScaleType ST, NextRows P>
 void matmul_int_lanes(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
   using S = LaneSteps<F, G>;
   static_assert(kGemmChunkK % S::kElems == 0, "GEMM chunks hold whole steps");
@@ -506,10 +560,24 @@ void matmul_int_lanes(const Matrix& w, I64 r0, I64 r1, const Activations& x, flo
   const LaneActivations acts = lane_activations<F, G>(x, groups);
   const I64 ahead = prefetch_ahead_rows(w, 4, M == 1);
   const I64 row_read_bytes = F == WFormat::INT4 ? w.padded_cols / 2 : w.padded_cols;
+  I64 r_rest = r0;  // rows from which the general tiles take over
+  if (one_token_lanes<F, G>(w, M, gemm)) {
+    constexpr int R = 4;
+    const uint16_t* scales = static_cast<const uint16_t*>(w.scales);
+    for (; r_rest + R <= r1; r_rest += R) {
+      const uint8_t* next = next_tile_rows(w, r_rest, r1, R, row_read_bytes, ahead);
+      if (next)  // the prefetched tile's scales too
+        for (I64 off = 0; off < R * w.scale_stride * 2; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(scales + (r_rest + ahead) * w.scale_stride) + off, _MM_HINT_T0);
+      one_token_int_lanes<V, F, G, ST, R, P>(w.data + r_rest * w.row_bytes, w.row_bytes,
+                                             scales + r_rest * w.scale_stride, w.scale_stride, steps, acts.q,
+                                             acts.tables, y + (r_rest - r0), next);
+    }
+  }
   for (I64 s0 = 0; s0 < steps; s0 += sc) {
     const I64 s1 = imin(s0 + sc, steps);
     const bool first = s0 == 0;
-    for (I64 r = r0; r < r1; r += 4) {
+    for (I64 r = r_rest; r < r1; r += 4) {
       const IntRowTile tile = int_row_tile(w, r, r1, gemm, row_read_bytes, ahead);
       for_each_token_tile_upto<kLaneTileTokens<F>>(M, [&](auto mt, I64 m, bool first_tile) HM_TILE_LAMBDA {
         constexpr int MT = decltype(mt)::kTokens;
@@ -640,11 +708,11 @@ void matmul_int(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
 template <class V, WFormat F, ScaleType ST, NextRows P>
 void matmul_int_prefetching(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
 #ifdef __AVX512VNNI__
-  if (V::W >= 16 && w.group == 32 && x.m >= kLaneMinTokens<F, 32>)
-    return matmul_int_lanes<F, 32, ST, P>(w, r0, r1, x, y, ldy, gemm);
+  if (V::W >= 16 && w.group == 32 && (x.m >= kLaneMinTokens<F, 32> || one_token_lanes<F, 32>(w, x.m, gemm)))
+    return matmul_int_lanes<V, F, 32, ST, P>(w, r0, r1, x, y, ldy, gemm);
   if constexpr (F == WFormat::INT4)
-    if (V::W >= 16 && w.group == 128 && x.m >= kLaneMinTokens<F, 128>)
-      return matmul_int_lanes<F, 128, ST, P>(w, r0, r1, x, y, ldy, gemm);
+    if (V::W >= 16 && w.group == 128 && (x.m >= kLaneMinTokens<F, 128> || one_token_lanes<F, 128>(w, x.m, gemm)))
+      return matmul_int_lanes<V, F, 128, ST, P>(w, r0, r1, x, y, ldy, gemm);
 #endif
   if (w.group != 32) matmul_int<V, F, ST, 4, P>(w, r0, r1, x, y, ldy, gemm);
   else if constexpr (F == WFormat::INT4) matmul_int4_g32<V, ST, P>(w, r0, r1, x, y, ldy, gemm);
