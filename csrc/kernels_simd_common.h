@@ -118,18 +118,21 @@ HM_TILE_INLINE void prefetch_next(const uint8_t* next, I64 stride, I64 pos) {
   }
 }
 
-// Bytes of rows between a GEMV tile and the tile it prefetches, for rows under kPrefetchL2MinBytes where the
-// prefetch reaches ahead (`far`: one token in every GEMV, any tokens in the bf16 dot-product GEMV): the tile that
-// starts this many bytes of rows later (at least the next one). Short rows' next tile is too near for its lines to
-// arrive in time: 4 rows of 384-768 bytes are read in 50-100 ns, about one memory latency. Measured 2026-12-03 on
-// Zen 5 (benchmarks/gemv_ab.sh, one thread, rows from memory, against the next tile; one token unless said): int4
-// 2048 x 768 (groups of 32, 384 B rows) 1.36-1.49x, groups of 128 1.16x; int4 768 x 2048 (1 KB rows) 1.10x; int8
-// 768 B rows 1.13-1.18x; fp8 768 B rows with bf16 dot products 1.09-1.22x, 1.06-1.24x at 2-8 tokens; 4 KB ahead
-// gave int4 384 B rows 1.18x, 16 KB 1.43x, fp8 768 B rows 1.15x, 32 KB less. Where the tile's arithmetic limits
-// it, reaching ahead did not pay (int at 4-8 tokens 0.91-0.96x, fp8 at 4 tokens in the AVX2 float32 GEMV 0.85x);
-// one-row tiles of 4 KB rows read 0.95x with the row after next. The MoE at Qwen3-30B-A3B shapes (2 threads, both
-// ways alternating in one process, medians of 6 rounds): fp8 1.04x at T = 1, 1.05x at T = 4; int4 1.06x / 1.04x;
-// int8 1.06x at T = 1; bf16 (1.5 KB down rows, float32 GEMV) 0.99-1.02x.
+// Bytes of rows between a GEMV tile and the tile it prefetches, for rows under kPrefetchL2MinBytes where the prefetch
+// reaches ahead (`far`: one token in every GEMV, one token tile in the AVX-512 int lane tiles, any tokens in the bf16
+// dot-product GEMV): the tile that starts this many bytes of rows later (at least the next one). Short rows' next tile
+// is too near for its lines to arrive in time: 4 rows of 384-768 bytes are read in 50-100 ns, about one memory latency.
+// Measured 2026-12-03 on Zen 5 (benchmarks/gemv_ab.sh, one thread, rows from memory, against the next tile; one token
+// unless said): int4 2048 x 768 (groups of 32, 384 B rows) 1.36-1.49x, groups of 128 1.16x; int4 768 x 2048 (1 KB rows)
+// 1.10x; int8 768 B rows 1.13-1.18x; fp8 768 B rows with bf16 dot products 1.09-1.22x, 1.06-1.24x at 2-8 tokens; 4 KB
+// ahead gave int4 384 B rows 1.18x, 16 KB 1.43x, fp8 768 B rows 1.15x, 32 KB less. Where the tile's arithmetic limits
+// it, reaching ahead did not pay (int at 4-8 tokens 0.91-0.96x, fp8 at 4 tokens in the AVX2 float32 GEMV 0.85x), but
+// the AVX-512 int lane tiles reach ahead whenever one token tile covers the tokens (2-3 tokens int4, 2-4 int8;
+// 2026-12-03, from memory: int4 g32 2048 x 768 1.33-1.35x, 768 x 2048 1.12-1.16x, g128 2048 x 768 1.37x; int8 g32
+// 1.02-1.16x; in L2 0.93-0.99x; the MoE at T = 4 and 32, where most experts have 1-2 tokens, 0.98-1.03x); one-row tiles
+// of 4 KB rows read 0.95x with the row after next. The MoE at Qwen3-30B-A3B shapes (2 threads, both ways alternating in
+// one process, medians of 6 rounds): fp8 1.04x at T = 1, 1.05x at T = 4; int4 1.06x / 1.04x; int8 1.06x at T = 1; bf16
+// (1.5 KB down rows, float32 GEMV) 0.99-1.02x.
 constexpr I64 kPrefetchAheadBytes = 8 << 10;
 
 // Rows from a tile of R rows to the first row of the tile it prefetches (see kPrefetchAheadBytes).

@@ -401,29 +401,31 @@ HM_TILE_INLINE __m512 lane_weight_scales(const uint16_t* p) {
   }
 }
 
-// acc[i][j] += one step of R rows (64 bytes at w[i], their scales at s[i]) times MT tokens (kActBytes int8
-// activations at xq[j], 32 table floats at t[j]).
+// acc[i][j] += one step of R rows (64 bytes at w[i] + wo, their scales at s[i] + so) times MT tokens (kActBytes int8
+// activations at xq[j] + qo, 32 table floats at t[j] + to). Offsets from the tile's own pointers rather than
+// per-step pointer tables: GCC 12 built those in vectors, extracted each pointer and spilled them every step.
 template <WFormat F, int G, ScaleType ST, int R, int MT>
-HM_TILE_INLINE void int_lane_step(const uint8_t* const* w, const uint16_t* const* s, const int8_t* const* xq,
-                                  const float* const* t, __m512 (&acc)[R][MT]) {
+HM_TILE_INLINE void int_lane_step(const uint8_t* const* w, I64 wo, const uint16_t* const* s, I64 so,
+                                  const int8_t* const* xq, I64 qo, const float* const* t, I64 to,
+                                  __m512 (&acc)[R][MT]) {
   __m512i lo[R], hi[R];  // int4: the low and high nibbles; int8: lo the weights + 128
   __m512 ws[R];
   HM_UNROLL for (int i = 0; i < R; ++i) {
-    const __m512i v = _mm512_loadu_si512(w[i]);
+    const __m512i v = _mm512_loadu_si512(w[i] + wo);
     if constexpr (F == WFormat::INT4) {
       lo[i] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
       hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
     } else {
       lo[i] = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
     }
-    ws[i] = lane_weight_scales<F, G, ST>(s[i]);
+    ws[i] = lane_weight_scales<F, G, ST>(s[i] + so);
   }
   HM_UNROLL for (int j = 0; j < MT; ++j) {
-    const __m512i xlo = _mm512_loadu_si512(xq[j]);
-    const __m512 xs = _mm512_loadu_ps(t[j]), c = _mm512_loadu_ps(t[j] + 16);
+    const __m512i xlo = _mm512_loadu_si512(xq[j] + qo);
+    const __m512 xs = _mm512_loadu_ps(t[j] + to), c = _mm512_loadu_ps(t[j] + to + 16);
     HM_UNROLL for (int i = 0; i < R; ++i) {
       __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], xlo);
-      if constexpr (F == WFormat::INT4) d = _mm512_dpbusd_epi32(d, hi[i], _mm512_loadu_si512(xq[j] + 64));
+      if constexpr (F == WFormat::INT4) d = _mm512_dpbusd_epi32(d, hi[i], _mm512_loadu_si512(xq[j] + qo + 64));
       acc[i][j] = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xs, c), ws[i], acc[i][j]);
     }
   }
@@ -431,7 +433,7 @@ HM_TILE_INLINE void int_lane_step(const uint8_t* const* w, const uint16_t* const
 
 // out[i][j] = the R rows' dot products with MT tokens over steps [s0, s1) (`groups` in the whole row: a last
 // partial step, groups of 32 only, goes through zero-padded copies of the weights and scales).
-template <WFormat F, int G, ScaleType ST, int R, int MT, NextRows P>
+template <class V, WFormat F, int G, ScaleType ST, int R, int MT, NextRows P>
 HM_TILE_INLINE void int_lane_tile(const uint8_t* const* rowp, const uint16_t* const* srow, I64 s0, I64 s1,
                                   I64 groups, const LaneActivations& acts, I64 m, float (&out)[R][MT],
                                   const uint8_t* next) {
@@ -440,36 +442,36 @@ HM_TILE_INLINE void int_lane_tile(const uint8_t* const* rowp, const uint16_t* co
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
   const I64 full = imin(s1, groups / S::kGroups);  // whole steps
-  const uint8_t* w[R];
-  const uint16_t* s[R];
   const int8_t* xp[MT];
   const float* t[MT];
-  auto tokens_at = [&](I64 step) HM_TILE_LAMBDA {
-    for (int j = 0; j < MT; ++j) {
-      xp[j] = acts.q + (m + j) * acts.ldq + step * S::kActBytes;
-      t[j] = acts.tables + (m + j) * acts.ldt + step * S::kFloats;
-    }
-  };
+  for (int j = 0; j < MT; ++j) {
+    xp[j] = acts.q + (m + j) * acts.ldq;
+    t[j] = acts.tables + (m + j) * acts.ldt;
+  }
   for (I64 st = s0; st < full; ++st) {
     if (next) prefetch_next<P, R, 64>(next, 0, st * 64);
-    for (int i = 0; i < R; ++i) w[i] = rowp[i] + 64 * st, s[i] = srow[i] + S::first_group(st);
-    tokens_at(st);
-    int_lane_step<F, G, ST, R, MT>(w, s, xp, t, acc);
+    int_lane_step<F, G, ST, R, MT>(rowp, 64 * st, srow, S::first_group(st), xp, st * S::kActBytes, t,
+                                   st * S::kFloats, acc);
   }
   if (full < s1) {
     const I64 left = groups - S::first_group(full);
     alignas(64) uint8_t wpad[R][64] = {};
     alignas(16) uint16_t spad[R][8] = {};
+    const uint8_t* w[R];
+    const uint16_t* s[R];
     for (int i = 0; i < R; ++i) {
       std::memcpy(wpad[i], rowp[i] + 64 * full, static_cast<size_t>(64 / S::kGroups * left));
       std::memcpy(spad[i], srow[i] + S::first_group(full), static_cast<size_t>(2 * left));
       w[i] = wpad[i], s[i] = spad[i];
     }
-    tokens_at(full);
-    int_lane_step<F, G, ST, R, MT>(w, s, xp, t, acc);
+    int_lane_step<F, G, ST, R, MT>(w, 0, s, 0, xp, full * S::kActBytes, t, full * S::kFloats, acc);
   }
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < MT; ++j) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+  static_assert(R == 4, "the rows' sums are taken together");
+  for (int j = 0; j < MT; ++j) {
+    alignas(16) float sums[4];
+    _mm_store_ps(sums, V::hsum4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]));
+    for (int i = 0; i < R; ++i) out[i][j] = sums[i];
+  }
 }
 
 // y[0..R) = the dot products of one token with R rows from `row` (row_bytes apart; their scales from srow,
@@ -558,7 +560,7 @@ void matmul_int_lanes(const Matrix& w, I64 r0, I64 r1, const Activations& x, flo
   const I64 M = x.m, groups = w.padded_cols / G, steps = (w.padded_cols + S::kElems - 1) / S::kElems;
   const I64 sc = gemm ? kGemmChunkK / S::kElems : steps;
   const LaneActivations acts = lane_activations<F, G>(x, groups);
-  const I64 ahead = prefetch_ahead_rows(w, 4, M == 1);
+  const I64 ahead = prefetch_ahead_rows(w, 4, M <= kLaneTileTokens<F>);  // one token tile: reach ahead
   const I64 row_read_bytes = F == WFormat::INT4 ? w.padded_cols / 2 : w.padded_cols;
   I64 r_rest = r0;  // rows from which the general tiles take over
   if (one_token_lanes<F, G>(w, M, gemm)) {
@@ -582,7 +584,7 @@ void matmul_int_lanes(const Matrix& w, I64 r0, I64 r1, const Activations& x, flo
       for_each_token_tile_upto<kLaneTileTokens<F>>(M, [&](auto mt, I64 m, bool first_tile) HM_TILE_LAMBDA {
         constexpr int MT = decltype(mt)::kTokens;
         float o[4][MT];
-        int_lane_tile<F, G, ST, 4, MT, P>(tile.rowp, tile.srow, s0, s1, groups, acts, m, o,
+        int_lane_tile<V, F, G, ST, 4, MT, P>(tile.rowp, tile.srow, s0, s1, groups, acts, m, o,
                                           first_tile ? tile.next : nullptr);
         store_tile<4, MT>(y, ldy, m, r - r0, tile.valid, first, o);
       }, serpentine_reverse<4>(r - r0));
