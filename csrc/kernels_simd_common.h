@@ -129,7 +129,7 @@ HM_TILE_INLINE void prefetch_next(const uint8_t* next, I64 stride, I64 pos) {
 // it, reaching ahead did not pay (int at 4-8 tokens 0.91-0.96x, fp8 at 4 tokens in the AVX2 float32 GEMV 0.85x), but
 // the AVX-512 int lane tiles reach ahead whenever one token tile covers the tokens (2-3 tokens int4, 2-4 int8;
 // 2026-12-03, from memory: int4 g32 2048 x 768 1.33-1.35x, 768 x 2048 1.12-1.16x, g128 2048 x 768 1.37x; int8 g32
-// 1.02-1.16x; in L2 0.93-0.99x; the MoE at T = 4 and 32, where most experts have 1-2 tokens, 0.98-1.03x); one-row tiles
+// 1.02-1.16x; in L2 0.93-0.99x; the MoE at T = 4 and 32, where most experts have 1-2 tokens, 0.98-1.08x); one-row tiles
 // of 4 KB rows read 0.95x with the row after next. The MoE at Qwen3-30B-A3B shapes (2 threads, both ways alternating in
 // one process, medians of 6 rounds): fp8 1.04x at T = 1, 1.05x at T = 4; int4 1.06x / 1.04x; int8 1.06x at T = 1; bf16
 // (1.5 KB down rows, float32 GEMV) 0.99-1.02x.
