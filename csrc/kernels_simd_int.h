@@ -477,7 +477,7 @@ HM_TILE_INLINE void int_lane_tile(const uint8_t* const* rowp, const uint16_t* co
 // y[0..R) = the dot products of one token with R rows from `row` (row_bytes apart; their scales from srow,
 // scale_stride apart) over `steps` whole steps (xq, t: the token's activations and tables, lane_activations), as
 // int_lane_tile computes them but addressed from one row pointer, without its per-step pointer tables (GCC 12 built
-// them in vectors, extracted each pointer and spilled them every step: a third of the loop's instructions), and
+// them in vectors, extracted each pointer and spilled them every step: a quarter of the loop's instructions), and
 // with the R sums taken together (V::hsum4) and stored as one vector (a profile of int4 2048 x 768 in L2 had a
 // third of the samples outside the step loop, most in the four horizontal sums). See one_token_lanes.
 template <class V, WFormat F, int G, ScaleType ST, int R, NextRows P>
@@ -585,7 +585,7 @@ void matmul_int_lanes(const Matrix& w, I64 r0, I64 r1, const Activations& x, flo
         constexpr int MT = decltype(mt)::kTokens;
         float o[4][MT];
         int_lane_tile<V, F, G, ST, 4, MT, P>(tile.rowp, tile.srow, s0, s1, groups, acts, m, o,
-                                          first_tile ? tile.next : nullptr);
+                                             first_tile ? tile.next : nullptr);
         store_tile<4, MT>(y, ldy, m, r - r0, tile.valid, first, o);
       }, serpentine_reverse<4>(r - r0));
     }
