@@ -80,8 +80,11 @@ struct ActBuffer {
 // per task), doubled while a task would read less than kTaskMinBytes of weights (row_bytes: of all the matrices
 // the task reads), then halved (down to 16) until there are >= 8 tasks per thread. A task starts cold (its first
 // tile is not prefetched): Qwen3-30B-A3B's down rows (768 B fp8, 384 B int4) made 48-96 KB tasks; at 256 KB the
-// T = 1 / 4 MoE at those shapes ran 1.04-1.13x (int4 / int8), 1.00-1.05x (fp8) on one thread.
-constexpr I64 kTaskMinBytes = 256 << 10;
+// T = 1 / 4 MoE at those shapes ran 1.04-1.13x (int4 / int8), 1.00-1.05x (fp8) on one thread. 512 KB against 256
+// (2026-12-03, Zen 5, 2 threads, both alternating in one process, medians of 6-10 rounds): Qwen3 T = 1 int4 1.03x
+// (1.06x with the probe at 60-70 GB/s), fp8 1.03x (1.00x there), int8 1.02x there; T = 4 int4 1.01x, fp8 1.04x;
+// DeepSeek-V3 T = 1 (its down tasks) int4 1.02x, fp8 1.04x. 128 KB: Qwen3 T = 1 0.99-1.01x.
+constexpr I64 kTaskMinBytes = 512 << 10;
 I64 task_rows(I64 rows, I64 num_slots, int threads, I64 row_bytes, bool gemm = false) {
   I64 blk = gemm ? 1024 : 128;
   while (blk * row_bytes < kTaskMinBytes && blk < rows) blk *= 2;
