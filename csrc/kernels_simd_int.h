@@ -474,18 +474,18 @@ HM_TILE_INLINE void int_lane_tile(const uint8_t* const* rowp, const uint16_t* co
   }
 }
 
-// y[0..R) = the dot products of one token with R rows from `row` (row_bytes apart; their scales from srow,
+// y[0..4) = the dot products of one token with 4 rows from `row` (row_bytes apart; their scales from srow,
 // scale_stride apart) over `steps` whole steps (xq, t: the token's activations and tables, lane_activations), as
 // int_lane_tile computes them but addressed from one row pointer, without its per-step pointer tables (GCC 12 built
 // them in vectors, extracted each pointer and spilled them every step: a quarter of the loop's instructions), and
-// with the R sums taken together (V::hsum4) and stored as one vector (a profile of int4 2048 x 768 in L2 had a
+// with the 4 sums taken together (V::hsum4) and stored as one vector (a profile of int4 2048 x 768 in L2 had a
 // third of the samples outside the step loop, most in the four horizontal sums). See one_token_lanes.
-template <class V, WFormat F, int G, ScaleType ST, int R, NextRows P>
+template <class V, WFormat F, int G, ScaleType ST, NextRows P>
 HM_TILE_INLINE void one_token_int_lanes(const uint8_t* row, I64 row_bytes, const uint16_t* srow, I64 scale_stride,
                                         I64 steps, const int8_t* xq, const float* t, float* y,
                                         const uint8_t* next) {
   using S = LaneSteps<F, G>;
-  static_assert(R % 4 == 0, "rows are summed four at a time");
+  constexpr int R = 4;
   __m512 acc[R];
   HM_UNROLL for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (I64 st = 0; st < steps; ++st) {
@@ -507,7 +507,7 @@ HM_TILE_INLINE void one_token_int_lanes(const uint8_t* row, I64 row_bytes, const
       acc[i] = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xs, c), ws, acc[i]);
     }
   }
-  HM_UNROLL for (int i = 0; i < R; i += 4) _mm_storeu_ps(y + i, V::hsum4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
+  _mm_storeu_ps(y, V::hsum4(acc[0], acc[1], acc[2], acc[3]));
 }
 
 // The most tokens of a lane-step register tile of 4 rows: int4 keeps two weight vectors a row live (its nibbles),
@@ -563,19 +563,12 @@ void matmul_int_lanes(const Matrix& w, I64 r0, I64 r1, const Activations& x, flo
   const I64 ahead = prefetch_ahead_rows(w, 4, M <= kLaneTileTokens<F>);  // one token tile: reach ahead
   const I64 row_read_bytes = F == WFormat::INT4 ? w.padded_cols / 2 : w.padded_cols;
   I64 r_rest = r0;  // rows from which the general tiles take over
-  if (one_token_lanes<F, G>(w, M, gemm)) {
-    constexpr int R = 4;
-    const uint16_t* scales = static_cast<const uint16_t*>(w.scales);
-    for (; r_rest + R <= r1; r_rest += R) {
-      const uint8_t* next = next_tile_rows(w, r_rest, r1, R, row_read_bytes, ahead);
-      if (next)  // the prefetched tile's scales too
-        for (I64 off = 0; off < R * w.scale_stride * 2; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(scales + (r_rest + ahead) * w.scale_stride) + off, _MM_HINT_T0);
-      one_token_int_lanes<V, F, G, ST, R, P>(w.data + r_rest * w.row_bytes, w.row_bytes,
-                                             scales + r_rest * w.scale_stride, w.scale_stride, steps, acts.q,
-                                             acts.tables, y + (r_rest - r0), next);
+  if (one_token_lanes<F, G>(w, M, gemm))
+    for (; r_rest + 4 <= r1; r_rest += 4) {  // whole tiles: their rows and scales lie back to back
+      const IntRowTile tile = int_row_tile(w, r_rest, r1, false, row_read_bytes, ahead);
+      one_token_int_lanes<V, F, G, ST, P>(tile.rowp[0], w.row_bytes, tile.srow[0], w.scale_stride, steps, acts.q,
+                                          acts.tables, y + (r_rest - r0), tile.next);
     }
-  }
   for (I64 s0 = 0; s0 < steps; s0 += sc) {
     const I64 s1 = imin(s0 + sc, steps);
     const bool first = s0 == 0;
