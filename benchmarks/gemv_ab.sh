@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One thread's GEMV of the kernel headers at a git ref against the working tree's, compiled side by side into one
+# The GEMV of the kernel headers at a git ref against the working tree's, compiled side by side into one
 # program that times them alternately on the same matrices (gemv_ab/main.cpp): the host's bandwidth drifts too
 # much between separate runs to see a few percent.
 #
@@ -10,7 +10,8 @@
 # of 128. Example: benchmarks/gemv_ab.sh fp8 2048 7168 1 2 4 8. Needs git and a C++17 compiler ($CXX, g++).
 # Environment: HM_AB_POOL_BYTES (the matrices rotate over ~400 MB), HM_AB_HUGE_PAGES=1 (matrices on transparent
 # huge pages, as the kernels' own copies of the experts are), HM_AB_INT_GROUP=32|128 (int4 / int8 scale groups;
-# default 128), HM_AB_SUBNORMALS=1 (fp8: a subnormal code about 1 in 5000, as in real checkpoints; default none).
+# default 128), HM_AB_SUBNORMALS=1 (fp8: a subnormal code about 1 in 5000, as in real checkpoints; default none),
+# HM_AB_THREADS=n (each side on n threads at once, each over its share of the matrices; default 1).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(git -C "$here" rev-parse --show-toplevel)
@@ -45,6 +46,10 @@ if [[ -n ${HM_AB_INT_GROUP:-} && $HM_AB_INT_GROUP != 32 && $HM_AB_INT_GROUP != 1
   echo "HM_AB_INT_GROUP must be 32 or 128, got $HM_AB_INT_GROUP" >&2
   exit 2
 fi
+if [[ -n ${HM_AB_THREADS:-} && ! $HM_AB_THREADS =~ ^([1-9]|[1-5][0-9]|6[0-4])$ ]]; then
+  echo "HM_AB_THREADS must be 1..64, got $HM_AB_THREADS" >&2
+  exit 2
+fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 mkdir "$tmp/base"
@@ -55,6 +60,6 @@ common=(-O3 -std=c++17 "${cflags[@]}" "-DVOCAB=$vocab")
 "$cxx" "${common[@]}" -I"$repo/csrc" -DSIDE=run_work -c "$here/gemv_ab/side.cpp" -o "$tmp/work.o"
 wait
 "$cxx" -O2 -std=c++17 -mavx2 -I"$repo/csrc" "$here/gemv_ab/main.cpp" "$repo/csrc/activation_quant.cpp" "$tmp/base.o" \
-  "$tmp/work.o" -o "$tmp/gemv_ab"
-echo "base $(git -C "$repo" rev-parse --short "$base") vs working tree, ISA $isa, one thread"
+  "$tmp/work.o" -pthread -o "$tmp/gemv_ab"
+echo "base $(git -C "$repo" rev-parse --short "$base") vs working tree, ISA $isa, ${HM_AB_THREADS:-1} thread(s)"
 "$tmp/gemv_ab" "$@"

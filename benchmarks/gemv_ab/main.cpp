@@ -1,4 +1,4 @@
-// A/B harness for the GEMV kernels on one thread: the kernel headers of a base tree and of the working tree are
+// A/B harness for the GEMV kernels on one thread (or several, HM_AB_THREADS): the kernel headers of a base tree and of the working tree are
 // compiled into one program (side.cpp, twice) and timed alternately on the same matrices, so that the host's
 // drifting bandwidth hits both alike. Run through benchmarks/gemv_ab.sh.
 //
@@ -11,6 +11,8 @@
 // The matrices rotate over ~400 MB (HM_AB_POOL_BYTES overrides), so rows come from memory; fp8 codes are
 // normal (no subnormal, no NaN), block scales 128 x 128; int scales bf16 per group of 128 (int4 and int8;
 // HM_AB_INT_GROUP=32 for groups of 32).
+// HM_AB_THREADS=n (default 1) runs each side, and the plain read, on n threads at once, each over its own share of the
+// matrices (thread t takes every n-th call), so that the kernels meet the memory contention of the MoE's threads.
 // HM_AB_HUGE_PAGES=1 puts the matrices on transparent huge pages (2 MB-aligned, madvise), as the kernels' own
 // copies of the experts are. HM_AB_SUBNORMALS=1 (fp8) puts a subnormal code at about 1 in 5000 positions (the same
 // in every matrix, flagged as the loader's scan flags them), as real checkpoints and the bench's experts have.
@@ -18,6 +20,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -25,6 +28,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "activation_quant.h"
@@ -71,8 +75,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "HM_AB_INT_GROUP must be 32 or 128\n");
     return 2;
   }
+  const char* threads_env = std::getenv("HM_AB_THREADS");
+  const long threads = threads_env ? std::atol(threads_env) : 1;
+  if (threads < 1 || threads > 64) {
+    std::fprintf(stderr, "HM_AB_THREADS must be 1..64\n");
+    return 2;
+  }
   const long row_bytes = fmt == "bf16" ? 2 * K : fmt == "int4" ? K / 2 : K;
-  const long copies = std::max(2L, pool / (N * row_bytes));
+  const long copies = std::max(2 * threads, pool / (N * row_bytes));
   const char* huge_env = std::getenv("HM_AB_HUGE_PAGES");
   const bool huge = huge_env && std::string(huge_env) == "1";
   const long matrix_bytes = (N * row_bytes + 63) / 64 * 64, huge_bytes = (copies * matrix_bytes + (2L << 20)) >> 21 << 21;
@@ -158,7 +168,7 @@ int main(int argc, char** argv) {
 
   std::printf("%-5s %6s %6s %6s %12s %12s %7s %12s %10s\n", "fmt", "rows", "cols", "tokens", "base GB/s",
               "work GB/s", "work/b", "read GB/s", "max diff");
-  std::vector<float> y_base(max_tokens * N), y_work(max_tokens * N);
+  std::vector<float> y_base(threads * max_tokens * N), y_work(threads * max_tokens * N);
   for (long M : token_counts) {
     hm::Activations a;
     a.m = M;
@@ -173,37 +183,56 @@ int main(int argc, char** argv) {
       a.ldg = K / group;
     }
     std::vector<double> base, work, read;
-    // each side's part of a round reads at least 64 MB, so that a pool held in L2 is timed over many calls
-    const long calls = 2 * copies * std::max(1L, (64L << 20) / (2 * copies * N * row_bytes));
+    // each side's part of a round reads at least 64 MB a thread, so that a pool held in L2 is timed over many calls
+    const long calls = 2 * copies * std::max(1L, (64L << 20) * threads / (2 * copies * N * row_bytes));
     const double bytes = static_cast<double>(calls) * N * row_bytes;
-    auto time_side = [&](void (*run)(const hm::Matrix&, const hm::Activations&, float*), float* y) {
-      const double start = now();
-      for (long c = 0; c < calls; ++c) run(mats[c % copies], a, y);
-      return now() - start;
+    // a step's work on thread t: the calls c = t, t + threads, ... of one side, or of the plain read
+    auto run_side = [&](void (*run)(const hm::Matrix&, const hm::Activations&, float*), float* y, long t) {
+      for (long c = t; c < calls; c += threads) run(mats[c % copies], a, y + t * max_tokens * N);
     };
-    for (int round = 0; round < 7; ++round) {
-      double t_base, t_work;  // the sides take turns going first, so that neither always follows the plain read
-      if (round % 2 == 0) {
-        t_base = time_side(run_base, y_base.data());
-        t_work = time_side(run_work, y_work.data());
-      } else {
-        t_work = time_side(run_work, y_work.data());
-        t_base = time_side(run_base, y_base.data());
-      }
-      const double t2 = now();
+    std::vector<long long> sinks(threads);
+    auto plain_read = [&](long t) {
       __m256i acc = _mm256_setzero_si256();  // the same bytes by a plain sequential read
-      for (long c = 0; c < calls; ++c) {
+      for (long c = t; c < calls; c += threads) {
         const __m256i* p = reinterpret_cast<const __m256i*>(mats[c % copies].data);
         for (long i = 0; i + 1 < N * row_bytes / 32; i += 2)
           acc = _mm256_add_epi64(acc, _mm256_add_epi64(_mm256_loadu_si256(p + i), _mm256_loadu_si256(p + i + 1)));
       }
-      const double t3 = now();
-      volatile long long sink = _mm256_extract_epi64(acc, 0);
-      (void)sink;
+      sinks[t] = _mm256_extract_epi64(acc, 0);
+    };
+    // a round's three steps (the sides take turns going first, so that neither always follows the plain read), each
+    // on all threads at once between two spin barriers; thread 0 times them
+    std::atomic<long> arrived{0};
+    auto barrier = [&](long& generation) {
+      ++generation;
+      arrived.fetch_add(1);
+      while (arrived.load() < generation * threads) _mm_pause();
+    };
+    for (int round = 0; round < 7; ++round) {
+      double t_base = 0, t_work = 0, t_read = 0;
+      auto worker = [&](long t) {
+        long generation = 0;
+        for (int step = 0; step < 3; ++step) {
+          const bool base_step = step == (round % 2 == 0 ? 0 : 1), work_step = step == (round % 2 == 0 ? 1 : 0);
+          barrier(generation);
+          const double start = now();
+          if (base_step) run_side(run_base, y_base.data(), t);
+          else if (work_step) run_side(run_work, y_work.data(), t);
+          else plain_read(t);
+          barrier(generation);
+          if (t == 0) (base_step ? t_base : work_step ? t_work : t_read) = now() - start;
+        }
+      };
+      std::vector<std::thread> others;
+      for (long t = 1; t < threads; ++t) others.emplace_back(worker, t);
+      worker(0);
+      for (std::thread& th : others) th.join();
       base.push_back(bytes / t_base / 1e9);
       work.push_back(bytes / t_work / 1e9);
-      read.push_back(bytes / (t3 - t2) / 1e9);
+      read.push_back(bytes / t_read / 1e9);
     }
+    volatile long long sink = sinks[0];
+    (void)sink;
     double diff = 0.0;
     for (long i = 0; i < M * N; ++i)
       diff = std::max(diff, std::fabs(static_cast<double>(y_base[i]) - y_work[i]) / (1e-6 + std::fabs(y_base[i])));

@@ -1,7 +1,7 @@
 """benchmarks/gemv_ab.sh compiles a git ref's kernel headers beside the working tree's and times both: with HEAD
 as the base and csrc/ unchanged, the two sides must compute the same outputs bit for bit, with the matrices on
 4 KB or (HM_AB_HUGE_PAGES=1) huge pages, fp8 with subnormal codes (HM_AB_SUBNORMALS=1), and for int formats with
-scale groups of 128 or (HM_AB_INT_GROUP=32) 32."""
+scale groups of 128 or (HM_AB_INT_GROUP=32) 32, on one thread or (HM_AB_THREADS=2) two at once."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def _git(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,env", [("fp8", {"HM_AB_HUGE_PAGES": "0"}), ("fp8", {"HM_AB_HUGE_PAGES": "1"}),
-                                     ("fp8", {"HM_AB_SUBNORMALS": "1"}), ("int4", {"HM_AB_INT_GROUP": "32"})])
+                                     ("fp8", {"HM_AB_SUBNORMALS": "1"}), ("int4", {"HM_AB_INT_GROUP": "32"}),
+                                     ("int4", {"HM_AB_THREADS": "2"})])
 def test_gemv_ab_times_head_against_the_working_tree(fmt, env):
     if shutil.which("git") is None or _git("rev-parse", "HEAD").returncode != 0:
         pytest.skip("not a git checkout")
@@ -36,6 +37,7 @@ def test_gemv_ab_times_head_against_the_working_tree(fmt, env):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("base ") and "ISA avx2" in lines[0]
+    assert lines[0].endswith(f"{env.get('HM_AB_THREADS', '1')} thread(s)")
     rows = [line.split() for line in lines[2:]]
     assert [(r[0], r[1], r[2], r[3]) for r in rows] == [(fmt, "64", "256", "1"), (fmt, "64", "256", "5")]
     for r in rows:
@@ -51,3 +53,7 @@ def test_gemv_ab_rejects_bad_arguments():
     result = subprocess.run(["bash", str(SCRIPT), "int4", "64", "256", "1"], capture_output=True, text=True,
                             timeout=60, env={**os.environ, "HM_AB_INT_GROUP": "64"})
     assert result.returncode == 2 and "HM_AB_INT_GROUP must be 32 or 128" in result.stderr
+    for threads in ("0", "65", "two"):
+        result = subprocess.run(["bash", str(SCRIPT), "int4", "64", "256", "1"], capture_output=True, text=True,
+                                timeout=60, env={**os.environ, "HM_AB_THREADS": threads})
+        assert result.returncode == 2 and "HM_AB_THREADS must be 1..64" in result.stderr, threads
