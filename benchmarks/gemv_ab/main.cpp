@@ -1,6 +1,6 @@
-// A/B harness for the GEMV kernels on one thread (or several, HM_AB_THREADS): the kernel headers of a base tree and of the working tree are
-// compiled into one program (side.cpp, twice) and timed alternately on the same matrices, so that the host's
-// drifting bandwidth hits both alike. Run through benchmarks/gemv_ab.sh.
+// A/B harness for the GEMV kernels on one thread (or several, HM_AB_THREADS): the kernel headers of a base tree
+// and of the working tree are compiled into one program (side.cpp, twice) and timed alternately on the same
+// matrices, so that the host's drifting bandwidth hits both alike. Run through benchmarks/gemv_ab.sh.
 //
 // usage: gemv_ab FORMAT ROWS COLS TOKENS...   (FORMAT fp8 | bf16 | int4 | int8; COLS a multiple of 128)
 // Prints per token count: GB/s of weights of base and work (median of 7 rounds), work / base, a plain
@@ -202,13 +202,13 @@ int main(int argc, char** argv) {
     };
     // a round's three steps (the sides take turns going first, so that neither always follows the plain read), each
     // on all threads at once between two spin barriers; thread 0 times them
-    std::atomic<long> arrived{0};
-    auto barrier = [&](long& generation) {
-      ++generation;
-      arrived.fetch_add(1);
-      while (arrived.load() < generation * threads) _mm_pause();
-    };
     for (int round = 0; round < 7; ++round) {
+      std::atomic<long> arrived{0};
+      auto barrier = [&](long& generation) {  // the generation-th barrier of this round
+        ++generation;
+        arrived.fetch_add(1);
+        while (arrived.load() < generation * threads) _mm_pause();
+      };
       double t_base = 0, t_work = 0, t_read = 0;
       auto worker = [&](long t) {
         long generation = 0;
