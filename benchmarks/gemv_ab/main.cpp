@@ -209,27 +209,28 @@ int main(int argc, char** argv) {
         arrived.fetch_add(1);
         while (arrived.load() < generation * threads) _mm_pause();
       };
-      double t_base = 0, t_work = 0, t_read = 0;
+      enum Step { kBase, kWork, kRead };
+      const Step order[3] = {round % 2 ? kWork : kBase, round % 2 ? kBase : kWork, kRead};
+      double seconds[3] = {};  // by Step
       auto worker = [&](long t) {
         long generation = 0;
-        for (int step = 0; step < 3; ++step) {
-          const bool base_step = step == (round % 2 == 0 ? 0 : 1), work_step = step == (round % 2 == 0 ? 1 : 0);
+        for (const Step step : order) {
           barrier(generation);
           const double start = now();
-          if (base_step) run_side(run_base, y_base.data(), t);
-          else if (work_step) run_side(run_work, y_work.data(), t);
+          if (step == kBase) run_side(run_base, y_base.data(), t);
+          else if (step == kWork) run_side(run_work, y_work.data(), t);
           else plain_read(t);
           barrier(generation);
-          if (t == 0) (base_step ? t_base : work_step ? t_work : t_read) = now() - start;
+          if (t == 0) seconds[step] = now() - start;
         }
       };
       std::vector<std::thread> others;
       for (long t = 1; t < threads; ++t) others.emplace_back(worker, t);
       worker(0);
       for (std::thread& th : others) th.join();
-      base.push_back(bytes / t_base / 1e9);
-      work.push_back(bytes / t_work / 1e9);
-      read.push_back(bytes / t_read / 1e9);
+      base.push_back(bytes / seconds[kBase] / 1e9);
+      work.push_back(bytes / seconds[kWork] / 1e9);
+      read.push_back(bytes / seconds[kRead] / 1e9);
     }
     volatile long long sink = sinks[0];
     (void)sink;
