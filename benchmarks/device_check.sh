@@ -4,20 +4,28 @@
 #   build.log            the build;
 #   info.txt             the machine (lscpu, GPUs) and `hybridmoe info`: the kernel ISA that runs, CPU features;
 #   tests_kernels.log    the kernel tests, run on every ISA the CPU has (AVX-512 where present);
+#   bench.txt            the benches' tables, among them (step amx, where the CPU has AMX) one matrix's AMX tiles
+#                        at 1-32 tokens against what the avx512 table runs by itself (benchmarks/bf16_dot.py);
 #   bench_best.json      `hybridmoe bench kernels` (full mode) on the best ISA (table in the output);
 #   bench_avx512.json    `hybridmoe bench kernels --formats fp8,bf16` with HYBRIDMOE_ISA=avx512 (float32
-#                        activations), to set beside the best ISA's where that is avx512bf16 (bf16 dot products);
+#                        activations), to set beside the best ISA's where that is avx512bf16 (bf16 dot products) or amx;
 #   bench_avx2.json      (step avx2, not by default: a 9th file) `hybridmoe bench kernels --quick` with
 #                        HYBRIDMOE_ISA=avx2;
 #   profile.json         `hybridmoe profile --quick`: the hardware profile the planner reads (GPU matmul, copy and
 #                        attention timings where CUDA is present);
-#   tests_rest.log       the rest of the test suite (in parallel where pytest-xdist is installed).
-# Usage: OUT=/some/dir [PYTHON=python3] [STEPS="kernels bench avx512 profile rest"] bash benchmarks/device_check.sh
-# Exit status: 0 when every step that ran passed, else the number of failed steps.
+#   tests_rest.log       the rest of the test suite.
+# The tests run in parallel where pytest-xdist is installed (the NUMA tests emulate up to 3 nodes, so each worker
+# keeps its pool of one thread per CPU).
+# Usage: OUT=/some/dir [PYTHON=python3] [STEPS="kernels amx profile bench rest avx512"] [DEADLINE=540]
+#        bash benchmarks/device_check.sh
+# Steps run in the order given, each time-boxed and all of them within DEADLINE seconds of the start (a step that
+# would get under 15 s is skipped), so that a lease's minutes are spent on what comes first.
+# Exit status: 0 when every step that ran passed, else the number of failed or skipped steps.
 set -uo pipefail
 OUT=${OUT:-/tmp/hybridmoe-device-check}
 PYTHON=${PYTHON:-python3}
-STEPS=${STEPS-kernels bench avx512 profile rest}
+STEPS=${STEPS-kernels amx profile bench rest avx512}
+DEADLINE=${DEADLINE:-540}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -25,6 +33,9 @@ failed=0
 
 step() {  # step SECONDS LOGFILE COMMAND...: time-boxed, output to $OUT/LOGFILE, its last lines to the screen
   local seconds=$1 log=$2; shift 2
+  local left=$((DEADLINE - SECONDS))
+  [ $left -lt $seconds ] && seconds=$left
+  if [ $seconds -lt 15 ]; then echo "== $log: $* skipped, ${left}s left"; failed=$((failed + 1)); return; fi
   echo "== $log: $* (at most ${seconds}s)"
   local start=$SECONDS
   timeout "$seconds" "$@" >>"$OUT/$log" 2>&1
@@ -42,10 +53,19 @@ TAIL=40 step 400 build.log env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"; } >"$OUT/info.txt" 2>&1
 TAIL=12 step 60 info.txt "$PYTHON" -m hybridmoe.cli info
 
-xdist=$("$PYTHON" -c "import xdist" 2>/dev/null && echo "-n 8")
+# the tests in parallel where pytest-xdist is installed (half the CPUs, at most 8 workers)
+workers=$(( $(nproc) / 2 < 8 ? $(nproc) / 2 : 8 ))
+xdist=$("$PYTHON" -c "import xdist" 2>/dev/null && [ $workers -gt 1 ] && echo "-n $workers")
+# the import-direction test needs import-linter, which an accelerator machine's image may lack
+nolint=$("$PYTHON" -c "import importlinter" 2>/dev/null ||
+         echo "--deselect tests/test_architecture.py::test_imports_only_go_downwards")
 for s in $STEPS; do
   case $s in
-    kernels) TAIL=15 step 240 tests_kernels.log "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels ;;
+    kernels) TAIL=15 step 240 tests_kernels.log "$PYTHON" -m pytest -q -p no:cacheprovider $xdist tests/kernels ;;
+    amx) if "$PYTHON" -c "import sys; from hybridmoe.kernels import isa; sys.exit('amx' not in isa.available_isas())"
+         then TAIL=70 step 150 bench.txt "$PYTHON" benchmarks/bf16_dot.py --isas avx512,amx --paths auto,gemm \
+                --tokens 1,2,3,4,6,8,16,32 --seconds 0.1
+         else echo "== amx: skipped, this CPU (or its kernel) grants no AMX"; fi ;;
     bench) TAIL=45 step 360 bench.txt "$PYTHON" -m hybridmoe.cli bench kernels --json "$OUT/bench_best.json" ;;
     avx512) if "$PYTHON" -c "import sys; from hybridmoe.kernels import isa; sys.exit('avx512' not in isa.available_isas())"
             then TAIL=12 step 240 bench.txt env HYBRIDMOE_ISA=avx512 \
@@ -54,7 +74,7 @@ for s in $STEPS; do
     avx2) TAIL=12 step 120 bench.txt env HYBRIDMOE_ISA=avx2 \
             "$PYTHON" -m hybridmoe.cli bench kernels --quick --json "$OUT/bench_avx2.json" ;;
     profile) TAIL=5 step 120 bench.txt "$PYTHON" -m hybridmoe.cli profile --quick --out "$OUT/profile.json" ;;
-    rest) TAIL=25 step 240 tests_rest.log "$PYTHON" -m pytest -q -p no:cacheprovider $xdist \
+    rest) TAIL=25 step 240 tests_rest.log "$PYTHON" -m pytest -q -p no:cacheprovider $xdist $nolint \
             --ignore=tests/kernels tests ;;
     *) echo "unknown step $s"; failed=$((failed + 1)) ;;
   esac
