@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
 from hybridmoe.checkpoint.synthetic import save_tiny_model
+from xdist_cpus import xdist_worker_cpus
 
+os.sched_setaffinity(0, xdist_worker_cpus(sorted(os.sched_getaffinity(0)), os.environ.get("PYTEST_XDIST_WORKER"),
+                                          os.environ.get("PYTEST_XDIST_WORKER_COUNT")))
 torch.set_num_threads(2)
 
 

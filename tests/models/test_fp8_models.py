@@ -77,5 +77,7 @@ def _check_fp8_forward(tiny_model_dir, tmp_path, shape: str, backend: str) -> No
     ref = torch.cat([reference(torch.tensor([p])).logits[0] for p in prompts]).float()
     err = (ours - ref).abs().max() / ref.abs().max()
     # the issue asks for 2e-2; both backends reach ~1e-6 (float32 arithmetic on the same FP8 values), the CPU
-    # kernels ~3e-3 where their ISA rounds activations to bf16 (bf16 dot products: avx512bf16, avx2bf16)
-    assert err < (1e-2 if backend == "cpu" and isa.bf16_dot() else 1e-4), f"relative error {err:.2e}"
+    # kernels ~3e-3 where their ISA rounds activations to bf16 (bf16 dot products: avx512bf16, avx2bf16; AMX
+    # tiles: amx, measured 2.5e-3 on a lent Xeon)
+    rounds = backend == "cpu" and (isa.bf16_dot() or isa.amx())
+    assert err < (1e-2 if rounds else 1e-4), f"relative error {err:.2e}"
