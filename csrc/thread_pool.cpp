@@ -115,11 +115,9 @@ ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus, std::vector<int> 
 }
 
 ThreadPool::~ThreadPool() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-    generation_.fetch_add(1, std::memory_order_release);
-  }
+  stop_.store(true);
+  state_.store(((state_.load() >> 1) + 1) << 1);  // a new generation, closed: the workers wake and see stop_
+  { std::lock_guard<std::mutex> lock(mu_); }
   start_cv_.notify_all();
   for (std::thread& w : workers_) w.join();
 }
@@ -162,31 +160,33 @@ void ThreadPool::run_node_tasks(int thread) {
 void ThreadPool::worker_main(int thread) {
   enable_denormals();
   if (!cpus_.empty()) pin_current_thread(cpus_[thread % cpus_.size()]);
-  uint64_t seen = 0;
+  uint64_t seen = 0;  // the last generation this worker looked at
   for (;;) {
-    // Spin briefly for the next parallel_for (decode issues several per layer), then sleep.
-    uint64_t gen = generation_.load(std::memory_order_acquire);
-    for (int i = 0; i < kSpinIterations && gen == seen; ++i) {
+    // Spin briefly for the next parallel_for (decode issues several per layer), then sleep. The caller wakes
+    // sleepers after it opens a set; a worker counts itself a sleeper before it checks the state under mu_, so
+    // that one of the two sees the other.
+    uint64_t state = state_.load(std::memory_order_acquire);
+    for (int i = 0; i < kSpinIterations && (state >> 1) == seen; ++i) {
       cpu_relax();
-      gen = generation_.load(std::memory_order_acquire);
+      state = state_.load(std::memory_order_acquire);
     }
-    if (gen == seen) {
+    if ((state >> 1) == seen) {
       std::unique_lock<std::mutex> lock(mu_);
-      start_cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
-      gen = generation_.load(std::memory_order_acquire);
+      sleepers_.fetch_add(1);
+      start_cv_.wait(lock, [&] { return (state_.load() >> 1) != seen; });
+      sleepers_.fetch_sub(1);
+      state = state_.load();
     }
-    seen = gen;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stop_) return;
-      // Join the task set only while it is open: thread 0 closes a flat one once every task is taken, so that a
-      // worker slow to wake (an idle vCPU can take 0.1-0.7 ms) does not hold up its return.
-      if (!open_ || generation_.load(std::memory_order_relaxed) != gen) continue;
-      ++joined_;
-      active_.fetch_add(1, std::memory_order_relaxed);
+    seen = state >> 1;
+    if (stop_.load()) return;
+    // Join the set only while it is open: thread 0 closes a flat one once every task is taken, so that a worker
+    // slow to wake (an idle vCPU can take 0.1-0.7 ms) does not hold up its return.
+    active_.fetch_add(1);
+    if (state_.load() == (seen << 1 | 1)) {
+      joined_.fetch_add(1);
+      run_tasks(thread);
     }
-    run_tasks(thread);
-    if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    if (active_.fetch_sub(1) == 1 && caller_waiting_.load()) {
       std::lock_guard<std::mutex> lock(mu_);
       done_cv_.notify_all();
     }
@@ -229,8 +229,8 @@ void ThreadPool::parallel_for_nodes(const std::vector<int64_t>& tasks_per_node,
   launch_and_join();
 }
 
-// Wakes the workers for the task set stored under mu_, runs tasks as thread 0 and waits for the workers that
-// joined the set (every worker, for a node-split set).
+// Opens the task set stored by the caller to the workers (waking any that sleep), runs tasks as thread 0 and
+// waits for the workers that joined the set (every worker, for a node-split set).
 void ThreadPool::launch_and_join() {
   const int caller_cpu = cpus_.empty() ? -1 : cpus_[0];
   if (t_caller_cpu != caller_cpu) {  // pin the caller, or unpin one an earlier pool pinned
@@ -238,29 +238,27 @@ void ThreadPool::launch_and_join() {
     else pin_current_thread(caller_cpu);
     t_caller_cpu = caller_cpu;
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    error_ = nullptr;
-    open_ = true;
-    joined_ = 0;
-    generation_.fetch_add(1, std::memory_order_release);
+  joined_.store(0);
+  const uint64_t generation = (state_.load() >> 1) + 1;
+  state_.store(generation << 1 | 1);  // opens the set stored before it
+  if (sleepers_.load() > 0) {
+    { std::lock_guard<std::mutex> lock(mu_); }  // a sleeper is either waiting now or will see the new state
+    start_cv_.notify_all();
   }
-  start_cv_.notify_all();
   run_tasks(0);
   // Flat: every task is taken, so close the set and wait for the workers that joined it only. Nodes: a node's
   // tasks wait for its own threads, so every worker must join (and finish) first.
   const int must_join = node_mode_ ? num_threads_ - 1 : 0;
-  if (!node_mode_) {
-    std::lock_guard<std::mutex> lock(mu_);
-    open_ = false;
-  }
-  auto finished = [&] { return joined_ >= must_join && active_.load(std::memory_order_acquire) == 0; };
-  for (int i = 0; i < kSpinIterations && active_.load(std::memory_order_acquire) != 0; ++i) cpu_relax();
-  {
+  if (!node_mode_) state_.store(generation << 1);
+  auto finished = [&] { return joined_.load() >= must_join && active_.load() == 0; };
+  for (int i = 0; i < kSpinIterations && !finished(); ++i) cpu_relax();
+  if (!finished()) {
     std::unique_lock<std::mutex> lock(mu_);
+    caller_waiting_.store(true);
     done_cv_.wait(lock, finished);
-    open_ = false;
+    caller_waiting_.store(false);
   }
+  state_.store(generation << 1);
   std::exception_ptr error;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -57,10 +57,14 @@ class ThreadPool {
   std::vector<int> thread_nodes_, node_threads_;
   int num_nodes_ = 1;
   std::vector<std::thread> workers_;
+  // Workers sleep on start_cv_ and the caller on done_cv_ (both under mu_) only after spinning; joining and
+  // leaving a task set take no lock (state_, joined_, active_), so that many workers waking at once do not
+  // queue on mu_.
   std::mutex mu_;
   std::condition_variable start_cv_, done_cv_;
-  std::atomic<uint64_t> generation_{0};
-  bool stop_ = false;
+  std::atomic<int> sleepers_{0};             // workers waiting on start_cv_
+  std::atomic<bool> caller_waiting_{false};  // the caller waits on done_cv_
+  std::atomic<bool> stop_{false};
   const std::function<void(int64_t, int)>* fn_ = nullptr;
   int64_t num_tasks_ = 0;
   std::atomic<int64_t> next_task_{0};
@@ -72,10 +76,12 @@ class ThreadPool {
   const std::function<void(int, int64_t, int)>* node_fn_ = nullptr;
   std::unique_ptr<NodeCounter[]> node_counters_;
   bool node_mode_ = false;
-  // The current task set: open_ while workers may join it (under mu_), joined_ of them did (under mu_), and
-  // active_ of those are still running tasks.
-  bool open_ = false;
-  int joined_ = 0;
+  // The current task set: state_ = generation << 1 | open (open while workers may join it; each set stored
+  // before its generation is opened), joined_ workers joined it, and active_ workers are joining, running its
+  // tasks or leaving (a worker counts itself active before it checks state_, the caller closes state_ before it
+  // waits for active_ to reach 0: one of the two sees the other).
+  std::atomic<uint64_t> state_{0};
+  std::atomic<int> joined_{0};
   std::atomic<int> active_{0};
   std::exception_ptr error_;
 };

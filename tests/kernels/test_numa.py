@@ -166,6 +166,24 @@ def test_thread_layout_and_errors():
     assert set(numa.thread_nodes()) == {0} or len(numa.topology()["nodes"]) > 1
 
 
+@pytest.mark.parametrize("nodes,threads", [(1, 8), (3, 9)])
+def test_many_short_calls_back_to_back_on_more_threads_than_cpus(nodes, threads):
+    """The pool's task sets follow each other within microseconds and its workers join and leave them without a
+    lock, so that a worker slow to wake meets the next set as the caller opens it (more threads than CPUs make
+    such workers common): every call must give its own result, on a flat pool and on one split over nodes
+    (whose sets wait for every worker)."""
+    gen = torch.Generator().manual_seed(seed("back to back", nodes))
+    kwargs, _ = random_experts("bf16", E, H, I, gen)
+    batches = [(torch.randn(t, H, generator=gen),) + random_routing(t, K, E, gen) for t in (1, 2, 3, 7)]
+    expected = [FusedMoE(**kwargs)(*batch) for batch in batches]
+    with numa.use_numa(_emulated_nodes(nodes), num_threads=threads):
+        assert isa.num_threads() == threads
+        moe = FusedMoE(**kwargs)
+        for step in range(400):
+            i = step % len(batches)
+            assert _error(moe(*batches[i]), expected[i]) < 1e-5, f"step {step}, batch {i}"
+
+
 def test_split_range_is_even_on_whole_units():
     assert numa.split_range(300, 128, 2) == [(0, 128), (128, 300)]
     assert numa.split_range(300, 32, 3) == [(0, 96), (96, 192), (192, 300)]
