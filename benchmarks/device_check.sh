@@ -5,7 +5,9 @@
 #   info.txt             the machine (lscpu, GPUs) and `hybridmoe info`: the kernel ISA that runs, CPU features;
 #   tests_kernels.log    the kernel tests, run on every ISA the CPU has (AVX-512 where present);
 #   bench.txt            the benches' tables, among them (step amx, where the CPU has AMX) one matrix's AMX tiles
-#                        at 1-32 tokens against what the avx512 table runs by itself (benchmarks/bf16_dot.py);
+#                        at 1-32 tokens against what the avx512 table runs by itself (benchmarks/bf16_dot.py),
+#                        and (step dispatch) a tiny MoE call's fixed cost by pool size and idle spin
+#                        (benchmarks/dispatch.py);
 #   bench_best.json      `hybridmoe bench kernels` (full mode) on the best ISA (table in the output);
 #   bench_avx512.json    `hybridmoe bench kernels --formats fp8,bf16` with HYBRIDMOE_ISA=avx512 (float32
 #                        activations), to set beside the best ISA's where that is avx512bf16 (bf16 dot products) or amx;
@@ -16,7 +18,7 @@
 #   tests_rest.log       the rest of the test suite.
 # The tests run in parallel where pytest-xdist is installed (the NUMA tests emulate up to 3 nodes, so each worker
 # keeps its pool of one thread per CPU).
-# Usage: OUT=/some/dir [PYTHON=python3] [STEPS="kernels amx profile bench rest avx512"] [DEADLINE=540]
+# Usage: OUT=/some/dir [PYTHON=python3] [STEPS="kernels amx dispatch profile bench rest avx512"] [DEADLINE=540]
 #        bash benchmarks/device_check.sh
 # Steps run in the order given, each time-boxed and all of them within DEADLINE seconds of the start (a step that
 # would get under 15 s is skipped), so that a lease's minutes are spent on what comes first.
@@ -24,7 +26,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/hybridmoe-device-check}
 PYTHON=${PYTHON:-python3}
-STEPS=${STEPS-kernels amx profile bench rest avx512}
+STEPS=${STEPS-kernels amx dispatch profile bench rest avx512}
 DEADLINE=${DEADLINE:-540}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -66,6 +68,8 @@ for s in $STEPS; do
          then TAIL=70 step 150 bench.txt "$PYTHON" benchmarks/bf16_dot.py --isas avx512,amx --paths auto,gemm \
                 --tokens 1,2,3,4,6,8,16,32 --seconds 0.1
          else echo "== amx: skipped, this CPU (or its kernel) grants no AMX"; fi ;;
+    dispatch) TAIL=25 step 90 bench.txt "$PYTHON" benchmarks/dispatch.py --spins-us 100,10000 --calls 1000 \
+                --rounds 3 ;;
     bench) TAIL=45 step 360 bench.txt "$PYTHON" -m hybridmoe.cli bench kernels --json "$OUT/bench_best.json" ;;
     avx512) if "$PYTHON" -c "import sys; from hybridmoe.kernels import isa; sys.exit('avx512' not in isa.available_isas())"
             then TAIL=12 step 240 bench.txt env HYBRIDMOE_ISA=avx512 \

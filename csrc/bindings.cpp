@@ -506,6 +506,9 @@ NB_MODULE(_native, mod) {
   }, "The executor's MoE work buffers: (node (-1: shared input), OS memory node (-1: unbound), bytes, bound)");
   mod.def("split_range", &split_range, "n"_a, "granularity"_a, "parts"_a);
   mod.def("num_threads", [] { return global_pool().size(); });
+  mod.def("idle_spin_us", &idle_spin_us, "How long an idle pool worker spins before it sleeps (microseconds).");
+  mod.def("set_idle_spin_us", &set_idle_spin_us, "us"_a);
+  mod.def("pool_sleeps", [] { return global_pool().sleeps(); }, "Times the pool's workers went to sleep.");
   mod.def("thread_cpus", [] { return global_pool().cpus(); });
   mod.def("available_cpus", &available_cpus);
   mod.def("measure_read_bandwidth", [](nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> buf,

@@ -2,6 +2,7 @@
 #include "thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <stdexcept>
 
@@ -17,7 +18,11 @@ namespace hm {
 
 namespace {
 
-constexpr int kSpinIterations = 4000;  // ~0.1-0.3 ms of pause before sleeping
+constexpr int kSpinIterations = 4000;  // ~0.1-0.3 ms of pause: the caller's wait for its workers before sleeping
+
+// -1: not read yet (HYBRIDMOE_SPIN_US is read at first use)
+std::atomic<int64_t> g_idle_spin_us{-1};
+
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -99,6 +104,7 @@ std::vector<int> initial_cpus() {
 ThreadPool::ThreadPool(int num_threads, std::vector<int> cpus, std::vector<int> thread_nodes)
     : num_threads_(num_threads), cpus_(std::move(cpus)), thread_nodes_(std::move(thread_nodes)) {
   if (num_threads < 1) throw std::invalid_argument("thread pool: num_threads must be >= 1");
+  idle_spin_us();  // a bad HYBRIDMOE_SPIN_US throws here, before a worker reads it
   if (thread_nodes_.empty()) thread_nodes_.assign(static_cast<size_t>(num_threads), 0);
   if (static_cast<int>(thread_nodes_.size()) != num_threads)
     throw std::invalid_argument("thread pool: one NUMA node per thread needed");
@@ -158,20 +164,24 @@ void ThreadPool::run_node_tasks(int thread) {
 }
 
 void ThreadPool::worker_main(int thread) {
+  using Clock = std::chrono::steady_clock;
   enable_denormals();
   if (!cpus_.empty()) pin_current_thread(cpus_[thread % cpus_.size()]);
   uint64_t seen = 0;  // the last generation this worker looked at
   for (;;) {
-    // Spin briefly for the next parallel_for (decode issues several per layer), then sleep. The caller wakes
-    // sleepers after it opens a set; a worker counts itself a sleeper before it checks the state under mu_, so
-    // that one of the two sees the other.
+    // Spin for the next parallel_for (decode issues several per layer) for idle_spin_us(), read again as it
+    // spins, then sleep. The caller wakes sleepers after it opens a set; a worker counts itself a sleeper before
+    // it checks the state under mu_, so that one of the two sees the other.
     uint64_t state = state_.load(std::memory_order_acquire);
-    for (int i = 0; i < kSpinIterations && (state >> 1) == seen; ++i) {
+    const Clock::time_point idle_since = Clock::now();
+    for (int i = 0; (state >> 1) == seen; ++i) {
+      if (i % 64 == 0 && Clock::now() - idle_since >= std::chrono::microseconds(idle_spin_us())) break;
       cpu_relax();
       state = state_.load(std::memory_order_acquire);
     }
     if ((state >> 1) == seen) {
       std::unique_lock<std::mutex> lock(mu_);
+      sleeps_.fetch_add(1, std::memory_order_relaxed);
       sleepers_.fetch_add(1);
       start_cv_.wait(lock, [&] { return (state_.load() >> 1) != seen; });
       sleepers_.fetch_sub(1);
@@ -436,6 +446,30 @@ const NumaTopology& numa_locked() {
 }
 
 }  // namespace
+
+int64_t idle_spin_us() {
+  int64_t us = g_idle_spin_us.load(std::memory_order_relaxed);
+  if (us >= 0) return us;
+  us = kDefaultIdleSpinUs;
+  if (const char* env = std::getenv("HYBRIDMOE_SPIN_US")) {
+    char* end = nullptr;
+    const long long n = std::strtoll(env, &end, 10);
+    if (end == env || *end != '\0' || n < 0 || n > kMaxIdleSpinUs)
+      throw std::invalid_argument("HYBRIDMOE_SPIN_US must be an integer between 0 and " +
+                                  std::to_string(kMaxIdleSpinUs) + " (microseconds), got '" + env + "'");
+    us = n;
+  }
+  int64_t unread = -1;
+  g_idle_spin_us.compare_exchange_strong(unread, us, std::memory_order_relaxed);
+  return g_idle_spin_us.load(std::memory_order_relaxed);
+}
+
+void set_idle_spin_us(int64_t us) {
+  if (us < 0 || us > kMaxIdleSpinUs)
+    throw std::invalid_argument("idle spin must be between 0 and " + std::to_string(kMaxIdleSpinUs) +
+                                " microseconds, got " + std::to_string(us));
+  g_idle_spin_us.store(us, std::memory_order_relaxed);
+}
 
 Executor& global_executor() {
   static Executor* executor = new Executor();  // never destroyed: jobs may still run at interpreter exit

@@ -32,6 +32,8 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const { return num_threads_; }
+  // Times a worker went to sleep after spinning idle for idle_spin_us() (it then needs a wake-up).
+  uint64_t sleeps() const { return sleeps_.load(std::memory_order_relaxed); }
   const std::vector<int>& cpus() const { return cpus_; }
   int num_nodes() const { return num_nodes_; }
   int node_threads(int node) const { return node_threads_[node]; }
@@ -63,6 +65,7 @@ class ThreadPool {
   std::mutex mu_;
   std::condition_variable start_cv_, done_cv_;
   std::atomic<int> sleepers_{0};             // workers waiting on start_cv_
+  std::atomic<uint64_t> sleeps_{0};          // times a worker went to sleep
   std::atomic<bool> caller_waiting_{false};  // the caller waits on done_cv_
   std::atomic<bool> stop_{false};
   const std::function<void(int64_t, int)>* fn_ = nullptr;
@@ -133,6 +136,14 @@ void configure_threads(int num_threads, const std::vector<int>& cpus);
 // New topology; num_threads 0 = one per CPU of the topology.
 void configure_numa(const NumaTopology& topology, int num_threads);
 NumaTopology global_numa_topology();
+// How long an idle worker spins for the next task set before it sleeps, in microseconds, for every pool:
+// HYBRIDMOE_SPIN_US (read at first use), else kDefaultIdleSpinUs; set_idle_spin_us changes it at once, for
+// workers spinning now too. A worker that slept needs a wake-up, and on a VM a vCPU left idle computes its next
+// call slower (docs/kernels.md, "Threads and async"); a spinning worker holds its CPU.
+constexpr int64_t kDefaultIdleSpinUs = 100;
+constexpr int64_t kMaxIdleSpinUs = 10'000'000;
+int64_t idle_spin_us();
+void set_idle_spin_us(int64_t us);  // 0 <= us <= kMaxIdleSpinUs
 int available_cpus();
 // The CPUs this process could run on when the library was loaded (before any thread was pinned).
 std::vector<int> initial_cpus();

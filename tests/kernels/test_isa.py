@@ -89,3 +89,13 @@ def test_info_prints_the_bf16_dot_product_thresholds():
     for line in lines:
         assert (f"from {min_tokens['bf16']}/{min_tokens['fp8']} tokens per expert (bf16 rows of "
                 f"{isa.bf16_dot_long_row_bytes()} bytes and more: from 1)") in line
+
+
+def test_bad_idle_spin_values_are_clear_errors():
+    with pytest.raises(ValueError, match="idle spin must be between 0 and 10000000 microseconds, got -1"):
+        isa.set_idle_spin_us(-1)
+    result = _run("from hybridmoe.kernels import isa; isa.num_threads()", HYBRIDMOE_SPIN_US="1ms")
+    assert result.returncode != 0
+    assert "HYBRIDMOE_SPIN_US must be an integer between 0 and 10000000 (microseconds), got '1ms'" in result.stderr
+    result = _run("from hybridmoe.kernels import isa; print(isa.idle_spin_us())", HYBRIDMOE_SPIN_US="2500")
+    assert result.returncode == 0 and result.stdout.strip() == "2500", result.stderr

@@ -173,3 +173,38 @@ def test_bad_inputs_are_clear_errors():
         FusedMoE(**bad)
     with pytest.raises(ValueError, match=r"expert 1: gate/up must be \[I, H\]"):
         FusedMoE(**dict(kwargs, gate=[kwargs["gate"][0], kwargs["gate"][1][:16]]))
+
+
+def test_idle_workers_spin_as_long_as_set_then_sleep():
+    """idle_spin_us: workers spinning for the next call need no wake-up. With no spin they sleep at once after a
+    call; with a spin far longer than the pause between two calls none sleeps; setting it back ends the spin of
+    workers spinning now."""
+    import time
+
+    gen = torch.Generator().manual_seed(12)
+    kwargs, _ = random_experts("bf16", E, H, I, gen)
+    moe = FusedMoE(**kwargs)
+    hidden = torch.randn(3, H, generator=gen)
+    ids, weights = random_routing(3, K, E, gen)
+    default_threads, default_spin = isa.num_threads(), isa.idle_spin_us()
+    try:
+        isa.configure_threads(3)
+        isa.set_idle_spin_us(0)
+        before = isa.pool_sleeps()
+        moe(hidden, ids, weights)
+        time.sleep(0.05)
+        assert isa.pool_sleeps() >= before + 2  # both workers slept
+        isa.set_idle_spin_us(5_000_000)
+        moe(hidden, ids, weights)  # wakes them; from here they spin
+        spinning = isa.pool_sleeps()
+        for _ in range(3):
+            time.sleep(0.02)
+            moe(hidden, ids, weights)
+        assert isa.pool_sleeps() == spinning
+        isa.set_idle_spin_us(0)
+        time.sleep(0.05)
+        assert isa.pool_sleeps() >= spinning + 2
+    finally:
+        isa.set_idle_spin_us(default_spin)
+        isa.configure_threads(default_threads)
+

@@ -65,7 +65,8 @@ def run(args) -> int:
     print("CPU features: " + " ".join(f"{k}{'+' if v else '-'}" for k, v in features.items()))
     cpus = isa.thread_cpus()
     print(f"threads: {isa.num_threads()} (HYBRIDMOE_NUM_THREADS={os.environ.get('HYBRIDMOE_NUM_THREADS', 'unset')}; "
-          f"{os.cpu_count()} CPUs), pinned: {cpus if cpus else 'no'}")
+          f"{os.cpu_count()} CPUs), pinned: {cpus if cpus else 'no'}; idle workers spin {isa.idle_spin_us()} us "
+          f"(HYBRIDMOE_SPIN_US={os.environ.get('HYBRIDMOE_SPIN_US', 'unset')})")
     for line in _numa_lines():
         print(line)
     return 0

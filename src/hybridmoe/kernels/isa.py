@@ -9,7 +9,10 @@ avx512 otherwise. avx512bf16 runs bf16 and fp8 weights on the GEMV path with bf1
 of 4 KB and more), and as avx512 otherwise; avx2bf16 emulates it on AVX2 to test it anywhere and is never chosen
 by itself. avx512bf16 is chosen on AMD CPUs only: on Zen 4 it ran the MoE 1.1-1.8x as fast as avx512 where it
 multiplies in bf16, on a Xeon (Emerald Rapids) 0.82-1.10x (docs/kernels.md).
-HYBRIDMOE_NUM_THREADS sets the pool size (default: the CPUs this process may use).
+HYBRIDMOE_NUM_THREADS sets the pool size (default: the CPUs this process may use). HYBRIDMOE_SPIN_US sets how long
+an idle worker spins for the next call before it sleeps (idle_spin_us; default 100 us): long enough to span the
+accelerator's work between two MoE layers, the workers need no wake-up and their CPUs stay awake, but a spinning
+worker holds its CPU from any other work, such as torch's where the CPU stands in for the accelerator.
 """
 
 from __future__ import annotations
@@ -108,6 +111,21 @@ def configure_threads(num_threads: int | None = None, cpus: list[int] | None = N
 
 def num_threads() -> int:
     return _native.num_threads()
+
+
+def idle_spin_us() -> int:
+    """How long an idle pool worker spins for the next call before it sleeps, in microseconds."""
+    return int(_native.idle_spin_us())
+
+
+def set_idle_spin_us(us: int) -> None:
+    """Set idle_spin_us() for every pool, workers spinning now included; ValueError outside 0-10,000,000."""
+    _native.set_idle_spin_us(int(us))
+
+
+def pool_sleeps() -> int:
+    """Times the pool's workers went to sleep after spinning idle (each then needed a wake-up)."""
+    return int(_native.pool_sleeps())
 
 
 def thread_cpus() -> list[int]:
