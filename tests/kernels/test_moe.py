@@ -1,7 +1,9 @@
 """The fused routed-expert MoE on the C++ kernels against a float64 torch computation grouped by expert, for
-every weight format and ISA path here; async submit/wait; thread counts; input errors."""
+every weight format and ISA path here; async submit/wait; thread counts and the idle spin; input errors."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -179,8 +181,6 @@ def test_idle_workers_spin_as_long_as_set_then_sleep():
     """idle_spin_us: workers spinning for the next call need no wake-up. With no spin they sleep at once after a
     call; with a spin far longer than the pause between two calls none sleeps; setting it back ends the spin of
     workers spinning now."""
-    import time
-
     gen = torch.Generator().manual_seed(12)
     kwargs, _ = random_experts("bf16", E, H, I, gen)
     moe = FusedMoE(**kwargs)
@@ -207,4 +207,3 @@ def test_idle_workers_spin_as_long_as_set_then_sleep():
     finally:
         isa.set_idle_spin_us(default_spin)
         isa.configure_threads(default_threads)
-
