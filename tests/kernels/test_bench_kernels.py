@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridmoe.bench import kernels as bench
-from hybridmoe.kernels import numa
+from hybridmoe.kernels import isa, numa
 
 
 @pytest.mark.slow
@@ -24,6 +24,7 @@ def test_bench_writes_the_report(tmp_path, monkeypatch):
     assert bench.run(argparse.Namespace(quick=True, json=str(out), formats="fp8,int4,bf16")) == 0
     report = json.loads(out.read_text())
     assert report["memory_bandwidth_gbs"] > 0 and report["threads"] >= 1 and report["isa"]
+    assert report["idle_spin_us"] == isa.idle_spin_us()
     assert report["expert_memory"] == bench.EXPERT_MEMORY[numa.topology()["copy_shards"]]
     assert [(r["format"], r["tokens"]) for r in report["results"]] == [
         (f, t) for f in ("fp8", "int4", "bf16") for t in (1, 9)]

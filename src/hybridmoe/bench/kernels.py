@@ -18,6 +18,10 @@ on huge pages (expert_memory in the JSON). Torch's own allocations sit on 4 KB p
 on most distributions); from them the kernels read 0.96-1.06x as fast at T = 1 with the probe at 50-54 GB/s,
 1.10-1.16x at its 70-78 GB/s level (Zen 5 VM, 2026-12-03).
 
+The pool's idle spin (isa.idle_spin_us, HYBRIDMOE_SPIN_US; idle_spin_us in the JSON) is left as set: workers
+spinning on past a kernel call hold their CPUs during the torch baseline that follows it, so a spin longer than
+the default slows the baseline and flatters the speedups.
+
 Reported per (shape, format, T): weight_gbs (bytes of the experts the tokens visit / time), its fraction of the
 measured bandwidth, the fraction of the FMA peak (2*3*H*I*T*K flops / time), and the two speedups. The host's
 bandwidth and FMA rate drift (a shared VM: 15-29 GB/s within an hour), so each case is measured side by side
@@ -368,7 +372,8 @@ def run(args) -> int:
     probe = MachineProbe()
     opening = probe.full(args.quick)
     copied = numa.topology()["copy_shards"]
-    print(f"ISA {isa.active_isa()}, {threads} threads; read bandwidth {opening[0]:.1f} GB/s "
+    print(f"ISA {isa.active_isa()}, {threads} threads (idle spin {isa.idle_spin_us()} us); "
+          f"read bandwidth {opening[0]:.1f} GB/s "
           f"({probe.buffer.nbytes / 2**30:.2f} GiB, all threads; last-level cache {last_level_cache_bytes() >> 20} "
           f"MiB); "
           f"FMA peak {opening[1]:.1f} GFLOP/s; experts {EXPERT_MEMORY[copied]}; the fused MoE, case by case:")
@@ -392,7 +397,8 @@ def run(args) -> int:
     if args.json:
         report = {"memory_bandwidth_gbs": bandwidth, "peak_fma_gflops": peak, "isa": isa.active_isa(),
                   "memory_bandwidth_gbs_probes": probe.bandwidths, "peak_fma_gflops_probes": probe.peaks,
-                  "threads": threads, "cpus": os.cpu_count(), "quick": bool(args.quick),
+                  "threads": threads, "idle_spin_us": isa.idle_spin_us(), "cpus": os.cpu_count(),
+                  "quick": bool(args.quick),
                   "expert_memory": EXPERT_MEMORY[copied], "last_level_cache_bytes": last_level_cache_bytes(),
                   "bandwidth_probe_bytes": probe.buffer.nbytes, "pool_bytes": pool_bytes(args.quick),
                   "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results}
