@@ -23,7 +23,6 @@ constexpr int kSpinIterations = 4000;  // ~0.1-0.3 ms of pause: the caller's wai
 // -1: not read yet (HYBRIDMOE_SPIN_US is read at first use)
 std::atomic<int64_t> g_idle_spin_us{-1};
 
-
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(_M_X64)
   _mm_pause();
