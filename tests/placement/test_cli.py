@@ -83,6 +83,10 @@ def test_profile_then_plan_with_it(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["kind"] == "machine" and data["version"] == 1
     assert data["expert_kernels"] and data["cpu"]["expert_table"]["fp8"][0][0] == 1
+    if "C++" in data["expert_kernels"][0]:  # the pool's idle spin sets the dispatch cost it measures
+        from hybridmoe.kernels import isa
+
+        assert f"idle spin {isa.idle_spin_us()} us" in data["cpu"]["dispatch_us"]["source"]
     if data["gpu"]["stand_in"]:
         assert "stand-in" in json.dumps(data["gpu"]) or "standing in" in json.dumps(data["gpu"])
     capsys.readouterr()
