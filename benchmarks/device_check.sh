@@ -16,8 +16,8 @@
 #   profile.json         `hybridmoe profile --quick`: the hardware profile the planner reads (GPU matmul, copy and
 #                        attention timings where CUDA is present);
 #   tests_rest.log       the rest of the test suite.
-# The tests run in parallel where pytest-xdist is installed (the NUMA tests emulate up to 3 nodes, so each worker
-# keeps its pool of one thread per CPU).
+# The tests run in parallel where pytest-xdist is installed, each worker on its own share of the CPUs
+# (tests/xdist_cpus.py), so that the workers' kernel pools do not oversubscribe them.
 # Usage: OUT=/some/dir [PYTHON=python3] [STEPS="kernels amx dispatch profile bench rest avx512"] [DEADLINE=540]
 #        bash benchmarks/device_check.sh
 # Steps run in the order given, each time-boxed and all of them within DEADLINE seconds of the start (a step that
