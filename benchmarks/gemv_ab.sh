@@ -11,7 +11,9 @@
 # Environment: HM_AB_POOL_BYTES (the matrices rotate over ~400 MB), HM_AB_HUGE_PAGES=1 (matrices on transparent
 # huge pages, as the kernels' own copies of the experts are), HM_AB_INT_GROUP=32|128 (int4 / int8 scale groups;
 # default 128), HM_AB_SUBNORMALS=1 (fp8: a subnormal code about 1 in 5000, as in real checkpoints; default none),
-# HM_AB_THREADS=n (each side on n threads at once, each over its share of the matrices; default 1).
+# HM_AB_THREADS=n (each side on n threads at once, each over its share of the matrices; default 1),
+# HM_AB_SHORT_ROW_PREFETCH=l1|l2 (where both sides' far prefetch puts short rows, as HYBRIDMOE_SHORT_ROW_PREFETCH
+# does in hybridmoe; default l1, a side whose headers predate the setting always l1).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(git -C "$here" rev-parse --show-toplevel)
@@ -50,6 +52,10 @@ if [[ -n ${HM_AB_THREADS:-} && ! $HM_AB_THREADS =~ ^([1-9]|[1-5][0-9]|6[0-4])$ ]
   echo "HM_AB_THREADS must be 1..64, got $HM_AB_THREADS" >&2
   exit 2
 fi
+if [[ -n ${HM_AB_SHORT_ROW_PREFETCH:-} && $HM_AB_SHORT_ROW_PREFETCH != l1 && $HM_AB_SHORT_ROW_PREFETCH != l2 ]]; then
+  echo "HM_AB_SHORT_ROW_PREFETCH must be l1 or l2, got $HM_AB_SHORT_ROW_PREFETCH" >&2
+  exit 2
+fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 mkdir "$tmp/base"
@@ -61,5 +67,6 @@ common=(-O3 -std=c++17 "${cflags[@]}" "-DVOCAB=$vocab")
 wait
 "$cxx" -O2 -std=c++17 -mavx2 -I"$repo/csrc" "$here/gemv_ab/main.cpp" "$repo/csrc/activation_quant.cpp" "$tmp/base.o" \
   "$tmp/work.o" -pthread -o "$tmp/gemv_ab"
-echo "base $(git -C "$repo" rev-parse --short "$base") vs working tree, ISA $isa, ${HM_AB_THREADS:-1} thread(s)"
+echo "base $(git -C "$repo" rev-parse --short "$base") vs working tree, ISA $isa, short rows prefetched to" \
+  "${HM_AB_SHORT_ROW_PREFETCH:-l1}, ${HM_AB_THREADS:-1} thread(s)"
 "$tmp/gemv_ab" "$@"

@@ -470,6 +470,13 @@ NB_MODULE(_native, mod) {
     set_active_isa(name);
   }, "name"_a);
   mod.def("cpu_features", &cpu_feature_list);
+  mod.def("cpu_family", [] { return cpu_features().family; }, "The CPU's cpuid display family (0: not x86).");
+  mod.def("short_row_prefetch", [] { return std::string(prefetch_level_name(short_row_prefetch())); },
+          "Where the GEMV's far prefetch puts short rows at one token: 'l1' or 'l2'.");
+  mod.def("default_short_row_prefetch", [] { return std::string(prefetch_level_name(default_short_row_prefetch())); },
+          "This CPU's default for short_row_prefetch() (without HYBRIDMOE_SHORT_ROW_PREFETCH).");
+  mod.def("set_short_row_prefetch",
+          [](const std::string& level) { set_short_row_prefetch(parse_prefetch_level(level)); }, "level"_a, "Set short_row_prefetch() ('l1' or 'l2') for the matrices computed from now on.");
   mod.def("configure_threads", [](int n, std::vector<int> cpus) {
     nb::gil_scoped_release release;
     configure_threads(n, cpus);

@@ -33,6 +33,8 @@ CpuFeatures detect() {
   if (!__get_cpuid(0, &a, &b, &c, &d)) return f;
   f.amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "Auth" "enti" "cAMD"
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const unsigned base_family = (a >> 8) & 0xF;
+  f.family = static_cast<int>(base_family == 0xF ? base_family + ((a >> 20) & 0xFF) : base_family);
   const bool osxsave = c & (1u << 27);
   f.fma = c & (1u << 12);
   f.avx = c & (1u << 28);
@@ -62,6 +64,7 @@ CpuFeatures detect() {
 }
 
 std::atomic<const KernelTable*> g_active{nullptr};
+std::atomic<bool> g_prefetch_resolved{false};
 
 // Linux hands out the AMX tile data state only to processes that ask for it (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA, once, for all threads); a tile instruction before that faults. Asked the first time the
@@ -148,7 +151,44 @@ std::string isa_unavailable_reason(const std::string& name) {
   return "";
 }
 
+PrefetchLevel parse_prefetch_level(const std::string& name) {
+  if (name == "l1") return PrefetchLevel::L1;
+  if (name == "l2") return PrefetchLevel::L2;
+  throw std::invalid_argument("prefetch level must be l1 or l2, got '" + name + "'");
+}
+
+const char* prefetch_level_name(PrefetchLevel level) { return level == PrefetchLevel::L2 ? "l2" : "l1"; }
+
+PrefetchLevel default_short_row_prefetch() {
+  const CpuFeatures& f = cpu_features();
+  return f.amd && f.family == 0x19 && f.avx512f ? PrefetchLevel::L2 : PrefetchLevel::L1;
+}
+
+PrefetchLevel short_row_prefetch() {
+  if (!g_prefetch_resolved.load(std::memory_order_acquire)) {
+    PrefetchLevel level = default_short_row_prefetch();
+    if (const char* env = std::getenv("HYBRIDMOE_SHORT_ROW_PREFETCH"); env && *env) {
+      try {
+        level = parse_prefetch_level(env);
+      } catch (const std::invalid_argument&) {
+        throw std::invalid_argument(std::string("HYBRIDMOE_SHORT_ROW_PREFETCH must be l1 or l2, got '") + env +
+                                    "'");
+      }
+    }
+    bool unresolved = false;
+    if (g_prefetch_resolved.compare_exchange_strong(unresolved, true, std::memory_order_acq_rel))
+      g_short_row_prefetch.store(level, std::memory_order_relaxed);
+  }
+  return g_short_row_prefetch.load(std::memory_order_relaxed);
+}
+
+void set_short_row_prefetch(PrefetchLevel level) {
+  g_prefetch_resolved.store(true, std::memory_order_release);
+  g_short_row_prefetch.store(level, std::memory_order_relaxed);
+}
+
 const KernelTable* kernels_for(const std::string& name) {
+  short_row_prefetch();
   const std::string why = isa_unavailable_reason(name);
   if (!why.empty()) throw std::invalid_argument("ISA '" + name + "' cannot run: " + why);
   if (name == "amx") return kernels_amx();
@@ -162,6 +202,7 @@ const KernelTable* kernels_for(const std::string& name) {
 const KernelTable* active_kernels() {
   const KernelTable* t = g_active.load(std::memory_order_acquire);
   if (t) return t;
+  short_row_prefetch();
   const char* env = std::getenv("HYBRIDMOE_ISA");
   if (env && *env) {
     const std::string forced(env);

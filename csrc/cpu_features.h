@@ -19,6 +19,7 @@ struct CpuFeatures {
   bool amx_tile = false, amx_bf16 = false;
   bool os_avx = false, os_avx512 = false, os_amx = false;  // the OS saves ymm / zmm / tile state
   bool amd = false;                         // vendor AuthenticAMD
+  int family = 0;                           // cpuid display family (AMD: 0x19 Zen 3 / Zen 4, 0x1A Zen 5)
 };
 
 const CpuFeatures& cpu_features();
@@ -36,5 +37,17 @@ std::string isa_unavailable_reason(const std::string& name);
 const KernelTable* active_kernels();
 void set_active_isa(const std::string& name);  // throws std::invalid_argument like above
 const KernelTable* kernels_for(const std::string& name);  // throws if unavailable
+
+// The level short rows' far prefetch goes to (g_short_row_prefetch, hm_types.h). First call:
+// HYBRIDMOE_SHORT_ROW_PREFETCH=l1|l2 if set (std::invalid_argument for another value), else this CPU's default;
+// active_kernels and kernels_for resolve it, so it holds before the first kernel runs. set_short_row_prefetch
+// changes it for the next matrices.
+PrefetchLevel short_row_prefetch();
+void set_short_row_prefetch(PrefetchLevel level);
+// L2 on AMD Zen 4 (family 0x19 with AVX-512), where short rows' prefetch into L1 held the L1 miss buffers and read
+// memory at half a plain read's rate (docs/kernels.md); L1 elsewhere, where it was measured (Zen 5, Zen 3, Xeon).
+PrefetchLevel default_short_row_prefetch();
+PrefetchLevel parse_prefetch_level(const std::string& name);  // "l1" | "l2", else std::invalid_argument
+const char* prefetch_level_name(PrefetchLevel level);
 
 }  // namespace hm

@@ -4,6 +4,7 @@
 // Legend: M tokens routed to one expert, K input features (cols), N output features (rows).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -111,6 +112,14 @@ static inline int64_t bf16_dot_min_tokens(WFormat f, int64_t row_bytes) {
 // matrix, 1 and 16 threads, rows in cache and from memory) the tiles ran at 0.80-1.06x the avx512 auto path at 4
 // tokens, 0.89-1.08x at 6, 0.81-1.46x at 8 (ahead in 5 of 8 cases) and 1.11-2.68x from 16 (docs/kernels.md).
 constexpr int64_t kAmxMinTokens = 8;
+
+// Where the GEMV path's prefetch that reaches ahead (kPrefetchAheadBytes, kernels_simd_common.h) puts short rows
+// (under kPrefetchL2MinBytes) at one token (any tokens with bf16 dot products), where it went to L1: into L1
+// (prefetcht0) or only into L2 (prefetcht1). Longer rows, and several tokens whose activations would be evicted, go to
+// L2 either way. One setting for the process, read by the kernels at each matrix; cpu_features.h resolves it before
+// the first kernel runs (short_row_prefetch: HYBRIDMOE_SHORT_ROW_PREFETCH, else this CPU's default).
+enum class PrefetchLevel : int { L1 = 1, L2 = 2 };
+inline std::atomic<PrefetchLevel> g_short_row_prefetch{PrefetchLevel::L1};
 
 // Tokens per expert from which path Auto leaves the GEMV path (for the amx table's bf16 and fp8 weights: for AMX
 // tiles).

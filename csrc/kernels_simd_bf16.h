@@ -189,11 +189,11 @@ template <class V, WFormat F>
 void matmul_bf16_dot_gemv(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
   const I64 activation_bytes = x.m * w.cols * I64{sizeof(uint16_t)};
   if (one_row_tiles<V, F>(x.m, w.row_bytes, true)) {
-    return with_next_rows<V, Gemv::Float, 1>(w.row_bytes, x.m, activation_bytes, [&](auto tag) {
+    return with_next_rows<V, Gemv::Float, 1>(w.row_bytes, x.m, activation_bytes, true, [&](auto tag) {
       matmul_bf16_dot_gemv_tiles<V, F, 1, decltype(tag)::kPolicy>(w, r0, r1, x, y, ldy);
     });
   }
-  with_next_rows<V, Gemv::Float, 4>(w.row_bytes, x.m, activation_bytes, [&](auto tag) {
+  with_next_rows<V, Gemv::Float, 4>(w.row_bytes, x.m, activation_bytes, true, [&](auto tag) {
     matmul_bf16_dot_gemv_tiles<V, F, 4, decltype(tag)::kPolicy>(w, r0, r1, x, y, ldy);
   });
 }

@@ -90,14 +90,16 @@ struct NextRowsTag {
 };
 
 // fn(NextRowsTag<P>{}) with the policy P for GEMV G's tiles of R rows of row_bytes, read by vocabulary V against
-// `tokens` tokens whose activations take activation_bytes (R streams: float GEMVs only).
+// `tokens` tokens whose activations take activation_bytes (R streams: float GEMVs only). far: the tiles prefetch the
+// tile that reaches ahead (prefetch_ahead_rows), whose short rows go to g_short_row_prefetch's level (hm_types.h).
 template <class V, Gemv G, int R, class Fn>
-inline void with_next_rows(I64 row_bytes, I64 tokens, I64 activation_bytes, Fn&& fn) {
+inline void with_next_rows(I64 row_bytes, I64 tokens, I64 activation_bytes, bool far, Fn&& fn) {
   if constexpr (G == Gemv::Float)
     if (row_bytes >= kRowStreamMinBytes) return fn(NextRowsTag<NextRows::StreamsL2>{});
   const bool evicts =
       tokens >= l2_prefetch_min_tokens<V, G>() && activation_bytes + 2 * R * row_bytes > kL1PrefetchMaxBytes;
-  if (row_bytes >= kPrefetchL2MinBytes || evicts) return fn(NextRowsTag<NextRows::LinearL2>{});
+  const bool far_to_l2 = far && g_short_row_prefetch.load(std::memory_order_relaxed) == PrefetchLevel::L2;
+  if (row_bytes >= kPrefetchL2MinBytes || evicts || far_to_l2) return fn(NextRowsTag<NextRows::LinearL2>{});
   fn(NextRowsTag<NextRows::LinearL1>{});
 }
 

@@ -402,7 +402,7 @@ void matmul_fp_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x,
 
 template <class V, WFormat F, int R>
 void matmul_fp_gemv_rows(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
-  with_next_rows<V, Gemv::Float, R>(w.row_bytes, x.m, x.m * w.cols * I64{sizeof(float)}, [&](auto tag) {
+  with_next_rows<V, Gemv::Float, R>(w.row_bytes, x.m, x.m * w.cols * I64{sizeof(float)}, x.m == 1, [&](auto tag) {
     matmul_fp_gemv_tiles<V, F, R, decltype(tag)::kPolicy>(w, r0, r1, x, y, ldy);
   });
 }

@@ -716,7 +716,7 @@ void matmul_int_prefetching(const Matrix& w, I64 r0, I64 r1, const Activations& 
 
 template <class V, WFormat F, ScaleType ST>
 void matmul_int_group(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, bool gemm) {
-  with_next_rows<V, Gemv::Int, 4>(w.row_bytes, x.m, x.m * w.padded_cols, [&](auto tag) {
+  with_next_rows<V, Gemv::Int, 4>(w.row_bytes, x.m, x.m * w.padded_cols, x.m == 1 && !gemm, [&](auto tag) {
     matmul_int_prefetching<V, F, ST, decltype(tag)::kPolicy>(w, r0, r1, x, y, ldy, gemm);
   });
 }

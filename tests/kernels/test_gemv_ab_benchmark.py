@@ -1,7 +1,8 @@
 """benchmarks/gemv_ab.sh compiles a git ref's kernel headers beside the working tree's and times both: with HEAD
 as the base and csrc/ unchanged, the two sides must compute the same outputs bit for bit, with the matrices on
 4 KB or (HM_AB_HUGE_PAGES=1) huge pages, fp8 with subnormal codes (HM_AB_SUBNORMALS=1), and for int formats with
-scale groups of 128 or (HM_AB_INT_GROUP=32) 32, on one thread or (HM_AB_THREADS=2) two at once."""
+scale groups of 128 or (HM_AB_INT_GROUP=32) 32, on one thread or (HM_AB_THREADS=2) two at once, with short rows
+prefetched to L1 or (HM_AB_SHORT_ROW_PREFETCH=l2) L2."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def _git(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,env", [("fp8", {"HM_AB_HUGE_PAGES": "0"}), ("fp8", {"HM_AB_HUGE_PAGES": "1"}),
                                      ("fp8", {"HM_AB_SUBNORMALS": "1"}), ("int4", {"HM_AB_INT_GROUP": "32"}),
-                                     ("int4", {"HM_AB_THREADS": "2"})])
+                                     ("int4", {"HM_AB_THREADS": "2"}),
+                                     ("fp8", {"HM_AB_SHORT_ROW_PREFETCH": "l2"})])
 def test_gemv_ab_times_head_against_the_working_tree(fmt, env):
     if shutil.which("git") is None or _git("rev-parse", "HEAD").returncode != 0:
         pytest.skip("not a git checkout")
@@ -37,7 +39,8 @@ def test_gemv_ab_times_head_against_the_working_tree(fmt, env):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("base ") and "ISA avx2" in lines[0]
-    assert lines[0].endswith(f"{env.get('HM_AB_THREADS', '1')} thread(s)")
+    assert lines[0].endswith(f"short rows prefetched to {env.get('HM_AB_SHORT_ROW_PREFETCH', 'l1')}, "
+                             f"{env.get('HM_AB_THREADS', '1')} thread(s)")
     rows = [line.split() for line in lines[2:]]
     assert [(r[0], r[1], r[2], r[3]) for r in rows] == [(fmt, "64", "256", "1"), (fmt, "64", "256", "5")]
     for r in rows:
@@ -57,3 +60,6 @@ def test_gemv_ab_rejects_bad_arguments():
         result = subprocess.run(["bash", str(SCRIPT), "int4", "64", "256", "1"], capture_output=True, text=True,
                                 timeout=60, env={**os.environ, "HM_AB_THREADS": threads})
         assert result.returncode == 2 and "HM_AB_THREADS must be 1..64" in result.stderr, threads
+    result = subprocess.run(["bash", str(SCRIPT), "fp8", "64", "256", "1"], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "HM_AB_SHORT_ROW_PREFETCH": "l3"})
+    assert result.returncode == 2 and "HM_AB_SHORT_ROW_PREFETCH must be l1 or l2, got l3" in result.stderr

@@ -99,3 +99,40 @@ def test_bad_idle_spin_values_are_clear_errors():
     assert "HYBRIDMOE_SPIN_US must be an integer between 0 and 10000000 (microseconds), got '1ms'" in result.stderr
     result = _run("from hybridmoe.kernels import isa; print(isa.idle_spin_us())", HYBRIDMOE_SPIN_US="2500")
     assert result.returncode == 0 and result.stdout.strip() == "2500", result.stderr
+
+
+def test_short_row_prefetch_defaults_by_cpu_and_can_be_set():
+    """Short rows' far prefetch goes to L2 on AMD Zen 4 (family 0x19 with AVX-512), to L1 elsewhere, unless
+    HYBRIDMOE_SHORT_ROW_PREFETCH or set_short_row_prefetch says otherwise."""
+    features = isa.cpu_features()
+    zen4 = features["amd"] and isa.cpu_family() == 0x19 and features["avx512f"]
+    assert isa.default_short_row_prefetch() == ("l2" if zen4 else "l1")
+    code = "from hybridmoe.kernels import isa; isa.active_isa(); print(isa.short_row_prefetch())"
+    result = _run(code, HYBRIDMOE_SHORT_ROW_PREFETCH="")
+    assert result.returncode == 0 and result.stdout.strip() == isa.default_short_row_prefetch(), result.stderr
+    for level in ("l1", "l2"):
+        result = _run(code, HYBRIDMOE_SHORT_ROW_PREFETCH=level)
+        assert result.returncode == 0 and result.stdout.strip() == level, result.stderr
+    before = isa.short_row_prefetch()
+    other = "l1" if before == "l2" else "l2"
+    with isa.use_short_row_prefetch(other):
+        assert isa.short_row_prefetch() == other
+    assert isa.short_row_prefetch() == before
+
+
+def test_bad_short_row_prefetch_values_are_clear_errors():
+    with pytest.raises(ValueError, match="prefetch level must be l1 or l2, got 'L3'"):
+        isa.set_short_row_prefetch("L3")
+    result = _run("from hybridmoe.kernels import isa; isa.active_isa()", HYBRIDMOE_SHORT_ROW_PREFETCH="l3")
+    assert result.returncode != 0
+    assert "HYBRIDMOE_SHORT_ROW_PREFETCH must be l1 or l2, got 'l3'" in result.stderr
+
+
+def test_info_prints_the_short_row_prefetch_level():
+    result = subprocess.run([sys.executable, "-m", "hybridmoe.cli", "info"], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "HYBRIDMOE_SHORT_ROW_PREFETCH": "l1"})
+    assert result.returncode == 0, result.stderr
+    default = isa.default_short_row_prefetch().upper()
+    assert (f"short rows' far prefetch (one token) into L1 (this CPU's default {default}; "
+            "HYBRIDMOE_SHORT_ROW_PREFETCH=l1)") in result.stdout
+    assert f"family {isa.cpu_family():#x}" in result.stdout

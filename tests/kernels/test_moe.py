@@ -45,6 +45,26 @@ def test_fused_moe_matches_float64(each_isa, fmt, dtype):
         assert _error(out, ref) < _tolerance(fmt, dtype), f"T={tokens}"
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_short_row_prefetch_level_moves_no_result(each_isa, fmt):
+    """Where the GEMV's far prefetch puts short rows (isa.short_row_prefetch: L1 or L2, by CPU) changes which
+    prefetch hint the tiles issue and nothing else: at one and two tokens, with rows under 3 KB and more rows than
+    the prefetch reaches ahead, both levels give the same output bit for bit, matching float64."""
+    gen = torch.Generator().manual_seed(seed(fmt, each_isa, "prefetch"))
+    kwargs, exact = random_experts(fmt, 4, 512, 384, gen)
+    moe = FusedMoE(**kwargs)
+    for tokens in (1, 2):
+        hidden = torch.randn(tokens, 512, generator=gen)
+        ids, weights = random_routing(tokens, 2, 4, gen)
+        outs = {}
+        for level in ("l1", "l2"):
+            with isa.use_short_row_prefetch(level):
+                outs[level] = moe(hidden, ids, weights)
+        assert torch.equal(outs["l1"], outs["l2"]), f"T={tokens}"
+        ref = reference.moe_reference(hidden, ids, weights, exact)
+        assert _error(outs["l1"], ref) < _tolerance(fmt, torch.float32), f"T={tokens}"
+
+
 @pytest.mark.parametrize("path", ["gemv", "gemm"])
 def test_uneven_expert_loads_and_forced_paths(each_isa, path):
     gen = torch.Generator().manual_seed(21)

@@ -20,7 +20,8 @@ on most distributions); from them the kernels read 0.96-1.06x as fast at T = 1 w
 
 The pool's idle spin (isa.idle_spin_us, HYBRIDMOE_SPIN_US; idle_spin_us in the JSON) is left as set: workers
 spinning on past a kernel call hold their CPUs during the torch baseline that follows it, so a spin longer than
-the default slows the baseline and flatters the speedups.
+the default slows the baseline and flatters the speedups. So is where short rows' far prefetch goes
+(isa.short_row_prefetch, HYBRIDMOE_SHORT_ROW_PREFETCH; short_row_prefetch in the JSON).
 
 Reported per (shape, format, T): weight_gbs (bytes of the experts the tokens visit / time), its fraction of the
 measured bandwidth, the fraction of the FMA peak (2*3*H*I*T*K flops / time), and the two speedups. The host's
@@ -372,7 +373,8 @@ def run(args) -> int:
     probe = MachineProbe()
     opening = probe.full(args.quick)
     copied = numa.topology()["copy_shards"]
-    print(f"ISA {isa.active_isa()}, {threads} threads (idle spin {isa.idle_spin_us()} us); "
+    print(f"ISA {isa.active_isa()}, {threads} threads (idle spin {isa.idle_spin_us()} us; short rows prefetched "
+          f"to {isa.short_row_prefetch().upper()}); "
           f"read bandwidth {opening[0]:.1f} GB/s "
           f"({probe.buffer.nbytes / 2**30:.2f} GiB, all threads; last-level cache {last_level_cache_bytes() >> 20} "
           f"MiB); "
@@ -397,7 +399,8 @@ def run(args) -> int:
     if args.json:
         report = {"memory_bandwidth_gbs": bandwidth, "peak_fma_gflops": peak, "isa": isa.active_isa(),
                   "memory_bandwidth_gbs_probes": probe.bandwidths, "peak_fma_gflops_probes": probe.peaks,
-                  "threads": threads, "idle_spin_us": isa.idle_spin_us(), "cpus": os.cpu_count(),
+                  "threads": threads, "idle_spin_us": isa.idle_spin_us(),
+                  "short_row_prefetch": isa.short_row_prefetch(), "cpus": os.cpu_count(),
                   "quick": bool(args.quick),
                   "expert_memory": EXPERT_MEMORY[copied], "last_level_cache_bytes": last_level_cache_bytes(),
                   "bandwidth_probe_bytes": probe.buffer.nbytes, "pool_bytes": pool_bytes(args.quick),

@@ -62,7 +62,11 @@ def run(args) -> int:
         status = "available" + (f" ({'; '.join(notes)})" if notes else "") if not reason else "unavailable: " + reason
         print(f"  {name:10s} {status}")
     features = isa.cpu_features()
-    print("CPU features: " + " ".join(f"{k}{'+' if v else '-'}" for k, v in features.items()))
+    print("CPU features: " + " ".join(f"{k}{'+' if v else '-'}" for k, v in features.items())
+          + f"; family {isa.cpu_family():#x}")
+    print(f"short rows' far prefetch (one token) into {isa.short_row_prefetch().upper()} (this CPU's default "
+          f"{isa.default_short_row_prefetch().upper()}; HYBRIDMOE_SHORT_ROW_PREFETCH="
+          f"{os.environ.get('HYBRIDMOE_SHORT_ROW_PREFETCH', 'unset')})")
     cpus = isa.thread_cpus()
     print(f"threads: {isa.num_threads()} (HYBRIDMOE_NUM_THREADS={os.environ.get('HYBRIDMOE_NUM_THREADS', 'unset')}; "
           f"{os.cpu_count()} CPUs), pinned: {cpus if cpus else 'no'}; idle workers spin {isa.idle_spin_us()} us "

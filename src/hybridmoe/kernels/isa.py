@@ -13,6 +13,9 @@ HYBRIDMOE_NUM_THREADS sets the pool size (default: the CPUs this process may use
 an idle worker spins for the next call before it sleeps (idle_spin_us; default 100 us): long enough to span the
 accelerator's work between two MoE layers, the workers need no wake-up and their CPUs stay awake, but a spinning
 worker holds its CPU from any other work, such as torch's where the CPU stands in for the accelerator.
+HYBRIDMOE_SHORT_ROW_PREFETCH=l1|l2 sets where the GEMV's prefetch that reaches ahead puts rows under 3 KB at one
+token (short_row_prefetch; default by CPU: l2 on AMD Zen 4, whose L1 miss buffers the prefetch into L1 held up,
+l1 elsewhere).
 """
 
 from __future__ import annotations
@@ -101,6 +104,11 @@ def cpu_features() -> dict[str, bool]:
     return dict(_native.cpu_features())
 
 
+def cpu_family() -> int:
+    """The CPU's cpuid display family (AMD: 0x19 Zen 3 / Zen 4, 0x1A Zen 5; 0 where not x86)."""
+    return int(_native.cpu_family())
+
+
 def configure_threads(num_threads: int | None = None, cpus: list[int] | None = None) -> None:
     """Replace the kernels' thread pool: `num_threads` threads (default: available CPUs), thread i pinned to
     cpus[i % len(cpus)] when `cpus` is given."""
@@ -121,6 +129,33 @@ def idle_spin_us() -> int:
 def set_idle_spin_us(us: int) -> None:
     """Set idle_spin_us() for every pool, workers spinning now included; ValueError outside 0-10,000,000."""
     _native.set_idle_spin_us(int(us))
+
+
+def short_row_prefetch() -> str:
+    """Where the GEMV's prefetch that reaches ahead puts rows under 3 KB at one token (any tokens with bf16 dot
+    products): "l1" or "l2"."""
+    return str(_native.short_row_prefetch())
+
+
+def default_short_row_prefetch() -> str:
+    """This CPU's short_row_prefetch() without HYBRIDMOE_SHORT_ROW_PREFETCH: "l2" on AMD Zen 4, else "l1"."""
+    return str(_native.default_short_row_prefetch())
+
+
+def set_short_row_prefetch(level: str) -> None:
+    """Set short_row_prefetch() ("l1" or "l2", else ValueError) for the matrices computed from now on."""
+    _native.set_short_row_prefetch(str(level))
+
+
+@contextmanager
+def use_short_row_prefetch(level: str) -> Iterator[None]:
+    """short_row_prefetch() is `level` within the block, then back to what it was."""
+    previous = short_row_prefetch()
+    set_short_row_prefetch(level)
+    try:
+        yield
+    finally:
+        set_short_row_prefetch(previous)
 
 
 def pool_sleeps() -> int:
