@@ -117,7 +117,14 @@ constexpr int64_t kAmxMinTokens = 8;
 // (under kPrefetchL2MinBytes) at one token (any tokens with bf16 dot products), where it went to L1: into L1
 // (prefetcht0) or only into L2 (prefetcht1). Longer rows, and several tokens whose activations would be evicted, go to
 // L2 either way. One setting for the process, read by the kernels at each matrix; cpu_features.h resolves it before
-// the first kernel runs (short_row_prefetch: HYBRIDMOE_SHORT_ROW_PREFETCH, else this CPU's default).
+// the first kernel runs (short_row_prefetch: HYBRIDMOE_SHORT_ROW_PREFETCH, else this CPU's default). On Zen 4
+// (2026-12-04, benchmarks/gemv_ab.sh, rows from memory on huge pages, L2 against L1): fp8 768 x 2048 at one token
+// 1.43-1.73x on one thread (16 -> 24-28.5 GB/s against a plain read's 29-33: with L1 the GEMV had read at about
+// 1 / (1 / its in-cache rate + 1 / the read's), its arithmetic and its reads taking turns), 1.26x on two; bf16
+// 2048 x 768 1.22-1.51x; int4 1.05-1.40x; int8 0.92-1.17x. The MoE (2 threads, in-process A/B): Qwen3-30B-A3B fp8
+// T = 1 1.45x with the probe at 60-67 GB/s (1.16x at 27-36), T = 4 1.18-1.38x; int4, int8, bf16 1.02-1.09x;
+// DeepSeek-V3 fp8 1.08-1.12x, int4 0.97-0.99x, int8 and bf16 0.99-1.01x. Zen 3 had read 0.97-1.01x with T1 hints
+// on the next tile (before the far prefetch); Zen 5 and Xeons are not measured with it and keep L1.
 enum class PrefetchLevel : int { L1 = 1, L2 = 2 };
 inline std::atomic<PrefetchLevel> g_short_row_prefetch{PrefetchLevel::L1};
 
