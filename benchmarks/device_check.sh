@@ -6,8 +6,9 @@
 #   tests_kernels.log    the kernel tests, run on every ISA the CPU has (AVX-512 where present);
 #   bench.txt            the benches' tables, among them (step amx, where the CPU has AMX) one matrix's AMX tiles
 #                        at 1-32 tokens against what the avx512 table runs by itself (benchmarks/bf16_dot.py),
-#                        and (step dispatch) a tiny MoE call's fixed cost by pool size and idle spin
-#                        (benchmarks/dispatch.py);
+#                        (step dispatch) a tiny MoE call's fixed cost by pool size and idle spin
+#                        (benchmarks/dispatch.py), and (step prefetch) the MoE with short rows' far prefetch into
+#                        L1 and into L2 (benchmarks/prefetch_level.py), whose default is measured on Zen 4 only;
 #   bench_best.json      `hybridmoe bench kernels` (full mode) on the best ISA (table in the output);
 #   bench_avx512.json    `hybridmoe bench kernels --formats fp8,bf16` with HYBRIDMOE_ISA=avx512 (float32
 #                        activations), to set beside the best ISA's where that is avx512bf16 (bf16 dot products) or amx;
@@ -18,7 +19,8 @@
 #   tests_rest.log       the rest of the test suite.
 # The tests run in parallel where pytest-xdist is installed, each worker on its own share of the CPUs
 # (tests/xdist_cpus.py), so that the workers' kernel pools do not oversubscribe them.
-# Usage: OUT=/some/dir [PYTHON=python3] [STEPS="kernels amx dispatch profile bench rest avx512"] [DEADLINE=540]
+# Usage: OUT=/some/dir [PYTHON=python3] [STEPS="kernels amx dispatch prefetch profile bench rest avx512"]
+#        [DEADLINE=540]
 #        bash benchmarks/device_check.sh
 # Steps run in the order given, each time-boxed and all of them within DEADLINE seconds of the start (a step that
 # would get under 15 s is skipped), so that a lease's minutes are spent on what comes first.
@@ -26,7 +28,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/hybridmoe-device-check}
 PYTHON=${PYTHON:-python3}
-STEPS=${STEPS-kernels amx dispatch profile bench rest avx512}
+STEPS=${STEPS-kernels amx dispatch prefetch profile bench rest avx512}
 DEADLINE=${DEADLINE:-540}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -70,6 +72,8 @@ for s in $STEPS; do
          else echo "== amx: skipped, this CPU (or its kernel) grants no AMX"; fi ;;
     dispatch) TAIL=25 step 90 bench.txt "$PYTHON" benchmarks/dispatch.py --spins-us 100,10000 --calls 1000 \
                 --rounds 3 ;;
+    prefetch) TAIL=19 step 120 bench.txt "$PYTHON" benchmarks/prefetch_level.py --tokens 1,4 --rounds 6 \
+                --seconds 0.15 --pool-mib 512 ;;
     bench) TAIL=45 step 360 bench.txt "$PYTHON" -m hybridmoe.cli bench kernels --json "$OUT/bench_best.json" ;;
     avx512) if "$PYTHON" -c "import sys; from hybridmoe.kernels import isa; sys.exit('avx512' not in isa.available_isas())"
             then TAIL=12 step 240 bench.txt env HYBRIDMOE_ISA=avx512 \

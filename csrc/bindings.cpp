@@ -476,7 +476,8 @@ NB_MODULE(_native, mod) {
   mod.def("default_short_row_prefetch", [] { return std::string(prefetch_level_name(default_short_row_prefetch())); },
           "This CPU's default for short_row_prefetch() (without HYBRIDMOE_SHORT_ROW_PREFETCH).");
   mod.def("set_short_row_prefetch",
-          [](const std::string& level) { set_short_row_prefetch(parse_prefetch_level(level)); }, "level"_a, "Set short_row_prefetch() ('l1' or 'l2') for the matrices computed from now on.");
+          [](const std::string& level) { set_short_row_prefetch(parse_prefetch_level(level)); }, "level"_a,
+          "Set short_row_prefetch() ('l1' or 'l2') for the matrices computed from now on.");
   mod.def("configure_threads", [](int n, std::vector<int> cpus) {
     nb::gil_scoped_release release;
     configure_threads(n, cpus);

@@ -90,8 +90,8 @@ struct NextRowsTag {
 };
 
 // fn(NextRowsTag<P>{}) with the policy P for GEMV G's tiles of R rows of row_bytes, read by vocabulary V against
-// `tokens` tokens whose activations take activation_bytes (R streams: float GEMVs only). far: the tiles prefetch the
-// tile that reaches ahead (prefetch_ahead_rows), whose short rows go to g_short_row_prefetch's level (hm_types.h).
+// `tokens` tokens whose activations take activation_bytes (R streams: float GEMVs only). far: the tiles prefetch rows
+// that far ahead (prefetch_ahead_rows), and short ones then go to g_short_row_prefetch's level (hm_types.h).
 template <class V, Gemv G, int R, class Fn>
 inline void with_next_rows(I64 row_bytes, I64 tokens, I64 activation_bytes, bool far, Fn&& fn) {
   if constexpr (G == Gemv::Float)

@@ -1,0 +1,113 @@
+"""Where short rows' far prefetch should go on this CPU: the fused MoE with it into L1 and into L2
+(isa.set_short_row_prefetch), alternating in one process on the same experts, so that the host's drifting
+bandwidth meets both alike. The experts are `hybridmoe bench kernels`' own (a pool much larger than the caches,
+on huge pages, a new routing each call).
+
+    python benchmarks/prefetch_level.py [--shapes qwen3-30b-a3b,deepseek-v3] [--formats fp8,int4,int8,bf16]
+                                        [--tokens 1,4] [--rounds 8] [--seconds 0.25] [--pool-mib 1024]
+
+A shape is a name from the bench (qwen3-30b-a3b, deepseek-v3) or HIDDENxINTERxEXPERTSxTOPK (e.g. 256x96x16x4).
+Each round times each level for about --seconds (which goes first alternates), then reads the bandwidth probe
+once. Prints per case the median ms and GB/s of weights of each level, the median and range over the rounds of
+the L2 level's speed against L1's, and the probe's range; the level in use before the run is restored after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from hybridmoe.bench import kernels as bench
+from hybridmoe.kernels import _native, isa
+
+LEVELS = ("l1", "l2")
+
+
+def _shape(spec: str) -> tuple[int, int, int, int]:
+    if spec in bench.SHAPES:
+        return bench.SHAPES[spec]
+    parts = spec.split("x")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise SystemExit(f"shape {spec!r}: a name ({', '.join(bench.SHAPES)}) or HIDDENxINTERxEXPERTSxTOPK")
+    hidden, inter, experts, top_k = map(int, parts)
+    if top_k > experts:
+        raise SystemExit(f"shape {spec!r}: top-k {top_k} is more than its {experts} experts")
+    return hidden, inter, experts, top_k
+
+
+def _case(pool: bench.ExpertPool, tokens: int, top_k: int, rounds: int, seconds: float,
+          probe: np.ndarray) -> dict:
+    routings = bench._routings(tokens, pool.num_experts, top_k, 64)  # [T, K] ids and weights each
+    hidden = torch.randn(tokens, pool.hidden).bfloat16()  # [T, H]
+
+    def calls(n: int) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            pool.moe(i, hidden, *routings[i % len(routings)])
+        return (time.perf_counter() - start) / n
+
+    once = calls(8)  # warm
+    n = max(4, int(seconds / once))
+    times = {level: [] for level in LEVELS}
+    ratios, probes = [], []
+    for r in range(rounds):
+        for level in (LEVELS if r % 2 == 0 else LEVELS[::-1]):
+            isa.set_short_row_prefetch(level)
+            calls(2)
+            times[level].append(calls(n))
+        ratios.append(times["l1"][-1] / times["l2"][-1])
+        probes.append(_native.measure_read_bandwidth(probe, 1) / 1e9)
+    active = statistics.mean(ids.unique().numel() for ids, _ in routings)
+    medians = {level: statistics.median(times[level]) for level in LEVELS}
+    return {"ms": {level: medians[level] * 1e3 for level in LEVELS},
+            "gbs": {level: active * pool.expert_bytes / medians[level] / 1e9 for level in LEVELS},
+            "ratio": statistics.median(ratios), "ratio_range": (min(ratios), max(ratios)),
+            "probe_range": (min(probes), max(probes))}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3")
+    parser.add_argument("--formats", default="fp8,int4,int8,bf16")
+    parser.add_argument("--tokens", default="1,4")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=0.25)
+    parser.add_argument("--pool-mib", type=int, default=1024)
+    args = parser.parse_args()
+    shapes = {name: _shape(name) for name in args.shapes.split(",")}
+    formats = args.formats.split(",")
+    unknown = [f for f in formats if f not in bench.FORMATS]
+    if unknown:
+        raise SystemExit(f"unknown format(s) {unknown}; choose from {list(bench.FORMATS)}")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.rounds < 1 or args.seconds <= 0 or args.pool_mib < 1 or min(tokens) < 1:
+        raise SystemExit("--rounds, --seconds, --pool-mib and --tokens must be positive")
+    before = isa.short_row_prefetch()
+    probe = np.ones((1 << 30) // 8, dtype=np.uint64)  # the bench's probe buffer: 1 GiB
+    print(f"ISA {isa.active_isa()}, {isa.num_threads()} threads, CPU family {isa.cpu_family():#x}; short rows "
+          f"prefetched to {before} in this process (this CPU's default: {isa.default_short_row_prefetch()})")
+    print(f"{'shape':14s} {'format':6s} {'T':>4s} {'L1 ms':>8s} {'L1 GB/s':>8s} {'L2 ms':>8s} {'L2 GB/s':>8s} "
+          f"{'L2/L1':>6s} {'range':>11s} {'probe GB/s':>11s}")
+    source = bench._Bytes()
+    try:
+        for name, (hidden, inter, experts, top_k) in shapes.items():
+            for fmt in formats:
+                pool = bench.ExpertPool(fmt, hidden, inter, experts, args.pool_mib << 20, source)
+                for t in tokens:
+                    c = _case(pool, t, top_k, args.rounds, args.seconds, probe)
+                    print(f"{name:14s} {fmt:6s} {t:4d} {c['ms']['l1']:8.3f} {c['gbs']['l1']:8.1f} "
+                          f"{c['ms']['l2']:8.3f} {c['gbs']['l2']:8.1f} {c['ratio']:5.2f}x "
+                          f"{c['ratio_range'][0]:5.2f}-{c['ratio_range'][1]:.2f} "
+                          f"{c['probe_range'][0]:5.1f}-{c['probe_range'][1]:.1f}", flush=True)
+                del pool
+    finally:
+        isa.set_short_row_prefetch(before)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
