@@ -20,8 +20,8 @@ l1 elsewhere).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 from hybridmoe.kernels import _native
 
@@ -88,14 +88,19 @@ def set_isa(name: str) -> None:
 
 
 @contextmanager
-def use_isa(name: str) -> Iterator[None]:
-    """Run the block with ISA `name`, then restore the previous one."""
-    previous = active_isa()
-    set_isa(name)
+def _set_within(get: Callable[[], str], set_to: Callable[[str], None], value: str) -> Iterator[None]:
+    """The block runs with set_to(value); the value get() gave before is set again after it."""
+    previous = get()
+    set_to(value)
     try:
         yield
     finally:
-        set_isa(previous)
+        set_to(previous)
+
+
+def use_isa(name: str) -> AbstractContextManager[None]:
+    """Run the block with ISA `name`, then restore the previous one."""
+    return _set_within(active_isa, set_isa, name)
 
 
 def cpu_features() -> dict[str, bool]:
@@ -147,15 +152,9 @@ def set_short_row_prefetch(level: str) -> None:
     _native.set_short_row_prefetch(str(level))
 
 
-@contextmanager
-def use_short_row_prefetch(level: str) -> Iterator[None]:
+def use_short_row_prefetch(level: str) -> AbstractContextManager[None]:
     """short_row_prefetch() is `level` within the block, then back to what it was."""
-    previous = short_row_prefetch()
-    set_short_row_prefetch(level)
-    try:
-        yield
-    finally:
-        set_short_row_prefetch(previous)
+    return _set_within(short_row_prefetch, set_short_row_prefetch, level)
 
 
 def pool_sleeps() -> int:
