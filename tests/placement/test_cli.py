@@ -87,6 +87,8 @@ def test_profile_then_plan_with_it(tmp_path, capsys):
         from hybridmoe.kernels import isa
 
         assert f"idle spin {isa.idle_spin_us()} us" in data["cpu"]["dispatch_us"]["source"]
+        # and where short rows' far prefetch went sets the expert timings
+        assert f"short rows prefetched to {isa.short_row_prefetch().upper()}" in data["expert_kernels"][0]
     if data["gpu"]["stand_in"]:
         assert "stand-in" in json.dumps(data["gpu"]) or "standing in" in json.dumps(data["gpu"])
     capsys.readouterr()

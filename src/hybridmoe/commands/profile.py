@@ -106,7 +106,7 @@ class Measurer:
             backend = CpuExpertBackend(weights)
             return (lambda x, ids, w: backend.wait(backend.submit(x, ids, w)), weights.nbytes() / num_experts,
                     f"C++ expert kernels ({isa.active_isa()}, {isa.num_threads()} threads, idle spin "
-                    f"{isa.idle_spin_us()} us)")
+                    f"{isa.idle_spin_us()} us, short rows prefetched to {isa.short_row_prefetch().upper()})")
         except ImportError as e:
             if fmt != "bf16":
                 raise RuntimeError(f"no C++ expert kernels ({e}); torch fallback measures bf16 only") from None
