@@ -64,7 +64,6 @@ CpuFeatures detect() {
 }
 
 std::atomic<const KernelTable*> g_active{nullptr};
-std::atomic<bool> g_prefetch_resolved{false};
 
 // Linux hands out the AMX tile data state only to processes that ask for it (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA, once, for all threads); a tile instruction before that faults. Asked the first time the
@@ -151,10 +150,10 @@ std::string isa_unavailable_reason(const std::string& name) {
   return "";
 }
 
-PrefetchLevel parse_prefetch_level(const std::string& name) {
+PrefetchLevel parse_prefetch_level(const std::string& name, const std::string& what) {
   if (name == "l1") return PrefetchLevel::L1;
   if (name == "l2") return PrefetchLevel::L2;
-  throw std::invalid_argument("prefetch level must be l1 or l2, got '" + name + "'");
+  throw std::invalid_argument(what + " must be l1 or l2, got '" + name + "'");
 }
 
 const char* prefetch_level_name(PrefetchLevel level) { return level == PrefetchLevel::L2 ? "l2" : "l1"; }
@@ -165,27 +164,16 @@ PrefetchLevel default_short_row_prefetch() {
 }
 
 PrefetchLevel short_row_prefetch() {
-  if (!g_prefetch_resolved.load(std::memory_order_acquire)) {
-    PrefetchLevel level = default_short_row_prefetch();
-    if (const char* env = std::getenv("HYBRIDMOE_SHORT_ROW_PREFETCH"); env && *env) {
-      try {
-        level = parse_prefetch_level(env);
-      } catch (const std::invalid_argument&) {
-        throw std::invalid_argument(std::string("HYBRIDMOE_SHORT_ROW_PREFETCH must be l1 or l2, got '") + env +
-                                    "'");
-      }
-    }
-    bool unresolved = false;
-    if (g_prefetch_resolved.compare_exchange_strong(unresolved, true, std::memory_order_acq_rel))
-      g_short_row_prefetch.store(level, std::memory_order_relaxed);
-  }
+  PrefetchLevel level = g_short_row_prefetch.load(std::memory_order_relaxed);
+  if (level != PrefetchLevel::Unresolved) return level;
+  const char* env = std::getenv("HYBRIDMOE_SHORT_ROW_PREFETCH");
+  level = env && *env ? parse_prefetch_level(env, "HYBRIDMOE_SHORT_ROW_PREFETCH") : default_short_row_prefetch();
+  PrefetchLevel unresolved = PrefetchLevel::Unresolved;  // a set_short_row_prefetch meanwhile wins
+  g_short_row_prefetch.compare_exchange_strong(unresolved, level, std::memory_order_relaxed);
   return g_short_row_prefetch.load(std::memory_order_relaxed);
 }
 
-void set_short_row_prefetch(PrefetchLevel level) {
-  g_prefetch_resolved.store(true, std::memory_order_release);
-  g_short_row_prefetch.store(level, std::memory_order_relaxed);
-}
+void set_short_row_prefetch(PrefetchLevel level) { g_short_row_prefetch.store(level, std::memory_order_relaxed); }
 
 const KernelTable* kernels_for(const std::string& name) {
   short_row_prefetch();
@@ -202,7 +190,6 @@ const KernelTable* kernels_for(const std::string& name) {
 const KernelTable* active_kernels() {
   const KernelTable* t = g_active.load(std::memory_order_acquire);
   if (t) return t;
-  short_row_prefetch();
   const char* env = std::getenv("HYBRIDMOE_ISA");
   if (env && *env) {
     const std::string forced(env);

@@ -40,15 +40,16 @@ const KernelTable* kernels_for(const std::string& name);  // throws if unavailab
 
 // The level short rows' far prefetch goes to (g_short_row_prefetch, hm_types.h). First call:
 // HYBRIDMOE_SHORT_ROW_PREFETCH=l1|l2 if set (std::invalid_argument for another value), else this CPU's default;
-// active_kernels and kernels_for resolve it, so it holds before the first kernel runs. set_short_row_prefetch
-// changes it for the next matrices.
+// kernels_for, through which every kernel table is reached, resolves it, so it holds before the first kernel runs.
+// set_short_row_prefetch changes it for the next matrices.
 PrefetchLevel short_row_prefetch();
 void set_short_row_prefetch(PrefetchLevel level);
 // L2 on AMD Zen 4 (family 0x19 with AVX-512), where short rows' prefetch into L1 held the L1 miss buffers and read
 // memory at half a plain read's rate (hm_types.h, docs/kernels.md); L1 elsewhere: the level the far prefetch was
 // tuned with on Zen 5 (L2 there not measured), and Zen 3 read alike with either hint.
 PrefetchLevel default_short_row_prefetch();
-PrefetchLevel parse_prefetch_level(const std::string& name);  // "l1" | "l2", else std::invalid_argument
+// "l1" | "l2", else std::invalid_argument("<what> must be l1 or l2, got '<name>'")
+PrefetchLevel parse_prefetch_level(const std::string& name, const std::string& what = "prefetch level");
 const char* prefetch_level_name(PrefetchLevel level);
 
 }  // namespace hm
