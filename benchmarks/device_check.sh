@@ -10,6 +10,7 @@
 #                        (benchmarks/dispatch.py), and (step prefetch) the MoE with short rows' far prefetch into
 #                        L1 and into L2 (benchmarks/prefetch_level.py), whose default is measured on Zen 4 only;
 #   bench_best.json      `hybridmoe bench kernels` (full mode) on the best ISA (table in the output);
+#   bench_quick.json     (step quick, not by default) `hybridmoe bench kernels --quick` on the best ISA;
 #   bench_avx512.json    `hybridmoe bench kernels --formats fp8,bf16` with HYBRIDMOE_ISA=avx512 (float32
 #                        activations), to set beside the best ISA's where that is avx512bf16 (bf16 dot products) or amx;
 #   bench_avx2.json      (step avx2, not by default: a 9th file) `hybridmoe bench kernels --quick` with
@@ -72,8 +73,9 @@ for s in $STEPS; do
          else echo "== amx: skipped, this CPU (or its kernel) grants no AMX"; fi ;;
     dispatch) TAIL=25 step 90 bench.txt "$PYTHON" benchmarks/dispatch.py --spins-us 100,10000 --calls 1000 \
                 --rounds 3 ;;
-    prefetch) TAIL=19 step 120 bench.txt "$PYTHON" benchmarks/prefetch_level.py --tokens 1,4 --rounds 6 \
-                --seconds 0.15 --pool-mib 512 ;;
+    prefetch) TAIL=19 step 150 bench.txt "$PYTHON" benchmarks/prefetch_level.py --tokens 1,4 --rounds 6 \
+                --seconds 0.15 ;;
+    quick) TAIL=45 step 120 bench.txt "$PYTHON" -m hybridmoe.cli bench kernels --quick --json "$OUT/bench_quick.json" ;;
     bench) TAIL=45 step 360 bench.txt "$PYTHON" -m hybridmoe.cli bench kernels --json "$OUT/bench_best.json" ;;
     avx512) if "$PYTHON" -c "import sys; from hybridmoe.kernels import isa; sys.exit('avx512' not in isa.available_isas())"
             then TAIL=12 step 240 bench.txt env HYBRIDMOE_ISA=avx512 \

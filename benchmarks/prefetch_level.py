@@ -1,15 +1,18 @@
 """Where short rows' far prefetch should go on this CPU: the fused MoE with it into L1 and into L2
 (isa.set_short_row_prefetch), alternating in one process on the same experts, so that the host's drifting
 bandwidth meets both alike. The experts are `hybridmoe bench kernels`' own (a pool much larger than the caches,
-on huge pages, a new routing each call).
+on huge pages, a new routing each call) and so is the bandwidth probe.
 
     python benchmarks/prefetch_level.py [--shapes qwen3-30b-a3b,deepseek-v3] [--formats fp8,int4,int8,bf16]
-                                        [--tokens 1,4] [--rounds 8] [--seconds 0.25] [--pool-mib 1024]
+                                        [--tokens 1,4] [--rounds 8] [--seconds 0.25] [--pool-mib MIB]
+                                        (HYBRIDMOE_NUM_THREADS=N for another thread count)
 
 A shape is a name from the bench (qwen3-30b-a3b, deepseek-v3) or HIDDENxINTERxEXPERTSxTOPK (e.g. 256x96x16x4).
 Each round times each level for about --seconds (which goes first alternates), then reads the bandwidth probe
-once. Prints per case the median ms and GB/s of weights of each level, the median and range over the rounds of
-the L2 level's speed against L1's, and the probe's range; the level in use before the run is restored after it.
+once. --pool-mib sets the pool of a shape and format; by default it is the full bench's (1 GiB, or 4x the
+last-level cache where that is larger: a lent Xeon's L3 holds 300 MB). Prints per case the median ms and GB/s of
+weights of each level, the median and range over the rounds of the L2 level's speed against L1's, and the probe's
+range; the level in use before the run is restored after it.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def main() -> int:
     parser.add_argument("--tokens", default="1,4")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=0.25)
-    parser.add_argument("--pool-mib", type=int, default=1024)
+    parser.add_argument("--pool-mib", type=int)
     args = parser.parse_args()
     shapes = {name: _shape(name) for name in args.shapes.split(",")}
     formats = args.formats.split(",")
@@ -84,10 +87,11 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"unknown format(s) {unknown}; choose from {list(bench.FORMATS)}")
     tokens = [int(t) for t in args.tokens.split(",")]
-    if args.rounds < 1 or args.seconds <= 0 or args.pool_mib < 1 or min(tokens) < 1:
+    if args.rounds < 1 or args.seconds <= 0 or (args.pool_mib is not None and args.pool_mib < 1) or min(tokens) < 1:
         raise SystemExit("--rounds, --seconds, --pool-mib and --tokens must be positive")
     before = isa.short_row_prefetch()
-    probe = np.ones((1 << 30) // 8, dtype=np.uint64)  # the bench's probe buffer: 1 GiB
+    probe = bench.MachineProbe().buffer
+    pool_bytes = args.pool_mib << 20 if args.pool_mib else bench.pool_bytes(quick=False)
     print(f"ISA {isa.active_isa()}, {isa.num_threads()} threads, CPU family {isa.cpu_family():#x}; short rows "
           f"prefetched to {before} in this process (this CPU's default: {isa.default_short_row_prefetch()})")
     print(f"{'shape':14s} {'format':6s} {'T':>4s} {'L1 ms':>8s} {'L1 GB/s':>8s} {'L2 ms':>8s} {'L2 GB/s':>8s} "
@@ -96,7 +100,7 @@ def main() -> int:
     try:
         for name, (hidden, inter, experts, top_k) in shapes.items():
             for fmt in formats:
-                pool = bench.ExpertPool(fmt, hidden, inter, experts, args.pool_mib << 20, source)
+                pool = bench.ExpertPool(fmt, hidden, inter, experts, pool_bytes, source)
                 for t in tokens:
                     c = _case(pool, t, top_k, args.rounds, args.seconds, probe)
                     print(f"{name:14s} {fmt:6s} {t:4d} {c['ms']['l1']:8.3f} {c['gbs']['l1']:8.1f} "

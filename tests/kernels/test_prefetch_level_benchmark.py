@@ -43,3 +43,5 @@ def test_bad_arguments_are_clear_errors():
     assert result.returncode != 0 and "unknown format(s) ['fp4']" in result.stderr
     result = _run("--shapes", "256x96x16x4", "--rounds", "0")
     assert result.returncode != 0 and "must be positive" in result.stderr
+    result = _run("--shapes", "256x96x16x4", "--pool-mib", "0")
+    assert result.returncode != 0 and "must be positive" in result.stderr
