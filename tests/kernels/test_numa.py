@@ -141,27 +141,28 @@ def test_fewer_units_than_nodes_bf16_hidden_and_a_single_node_layer_on_a_split_p
 
 
 def test_thread_layout_and_errors():
-    with numa.use_numa([[0], [1]], num_threads=5):
+    a, b = _emulated_nodes(2)  # this process's CPUs (a pytest-xdist worker keeps a share of them)
+    with numa.use_numa([a, b], num_threads=5):
         assert numa.thread_nodes() == [0, 0, 0, 1, 1]
-        assert isa.thread_cpus() == [0, 0, 0, 1, 1]
+        assert isa.thread_cpus() == a * 3 + b * 2
         topo = numa.topology()
-        assert topo["nodes"] == [[0], [1]] and topo["emulated"] and "2 nodes (emulated)" in topo["description"]
+        assert topo["nodes"] == [a, b] and topo["emulated"] and "2 nodes (emulated)" in topo["description"]
         gen = torch.Generator().manual_seed(4)
         kwargs, _ = random_experts("bf16", E, H, I, gen)
         split = FusedMoE(**kwargs)
         with pytest.raises(ValueError, match="pinned to their node's CPUs"):
-            isa.configure_threads(2, [0])
+            isa.configure_threads(2, a)
         with pytest.raises(ValueError, match="at least one thread per NUMA node"):
             isa.configure_threads(1)
-        numa.configure_numa([[0], [1], [0]])
+        numa.configure_numa([a, b, a])
         with pytest.raises(RuntimeError, match="split over 2 NUMA nodes but the thread pool has 3"):
             split(torch.randn(1, H), *random_routing(1, K, E, gen))
         with pytest.raises(ValueError, match="memory_nodes: one per node"):
-            numa.configure_numa([[0], [1]], memory_nodes=[0])
+            numa.configure_numa([a, b], memory_nodes=[0])
         with pytest.raises(ValueError, match="NUMA node 1: CPU -1 is not a valid CPU"):
-            numa.configure_numa([[0], [-1]])
+            numa.configure_numa([a, [-1]])
         with pytest.raises(ValueError, match="NUMA node 1: CPU 1000 is not available to this process"):
-            numa.configure_numa([[0], [1000]])
+            numa.configure_numa([a, [1000]])
     assert numa.topology() == numa.detected_topology()
     assert set(numa.thread_nodes()) == {0} or len(numa.topology()["nodes"]) > 1
 
@@ -204,15 +205,18 @@ def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_bad_numa_nodes_in_the_environment_are_a_clear_error():
-    result = _run_python("from hybridmoe.kernels import numa; numa.topology()", HYBRIDMOE_NUMA_NODES="0;1000")
+    [a] = _emulated_nodes(1)
+    result = _run_python("from hybridmoe.kernels import numa; numa.topology()", HYBRIDMOE_NUMA_NODES=f"{a[0]};1000")
     assert result.returncode != 0
     assert "NUMA node 1: CPU 1000 is not available to this process" in result.stderr
 
 
 def test_info_prints_the_numa_layout_from_the_environment():
-    result = _run_python("from hybridmoe.cli import main; main(['info'])", HYBRIDMOE_NUMA_NODES="0;0-1")
+    [a], [b] = _emulated_nodes(2)
+    result = _run_python("from hybridmoe.cli import main; main(['info'])", HYBRIDMOE_NUMA_NODES=f"{a};{a},{b}")
     assert result.returncode == 0, result.stderr
-    assert "NUMA layout: 2 nodes (emulated); node 0 cpus 0 memory unbound; node 1 cpus 0-1" in result.stdout
+    both = f"{a}-{b}" if b == a + 1 else f"{a},{b}"
+    assert f"NUMA layout: 2 nodes (emulated); node 0 cpus {a} memory unbound; node 1 cpus {both}" in result.stdout
     assert "threads per node: node 0: 1, node 1: 2" in result.stdout
 
 
