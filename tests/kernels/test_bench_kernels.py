@@ -44,18 +44,24 @@ def test_bench_writes_the_report(tmp_path, monkeypatch):
     assert report["memory_bandwidth_gbs"] == max(report["memory_bandwidth_gbs_probes"])
 
 
-def test_kernels_and_torch_are_timed_in_pairs_after_warming_up(monkeypatch):
-    """_paired_times calls the kernels on the first routing (layer 0) until WARMUP_SECONDS have passed, then per
-    routing i: the kernels on layer 0 for SETTLE_SECONDS, untimed, and on layer i; torch likewise. The speedup is
-    the median of the pairs' ratios, not the ratio of the medians (on a fake clock that each call advances)."""
+def test_the_kernels_then_torch_are_timed_after_a_quiet_pause_and_warming_up(monkeypatch):
+    """_case_times sleeps QUIET_SECONDS, then the kernels: on the first routing (layer 0) until WARMUP_SECONDS have
+    passed, then per routing i on layer 0 for SETTLE_SECONDS, untimed, and on layer i; then torch likewise. It
+    returns the medians of the timed calls (on a fake clock that each call and the sleep advance)."""
     clock = types.SimpleNamespace(now=0.0)
-    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    calls = []
+
+    def sleep(seconds):
+        calls.append(("sleep", seconds))
+        clock.now += seconds
+
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock.now, sleep=sleep))
     ms = 2.0 ** -10  # about a millisecond, exact in binary, so that the clock's sums are too
     monkeypatch.setattr(bench, "WARMUP_SECONDS", 40 * ms)
     monkeypatch.setattr(bench, "SETTLE_SECONDS", 16 * ms)
+    monkeypatch.setattr(bench, "QUIET_SECONDS", 300 * ms)
     kernel_s = {0: 8 * ms, 1: 1 * ms, 2: 3 * ms, 3: 2 * ms}
-    torch_s = {0: 1000 * ms, 1: 4 * ms, 2: 9 * ms, 3: 10 * ms}  # ratios 4, 3, 5: median 4; of the medians 4.5
-    calls = []
+    torch_s = {0: 1000 * ms, 1: 4 * ms, 2: 9 * ms, 3: 10 * ms}
 
     def call(name, durations):
         def run(layer, hidden, ids, weights):
@@ -64,16 +70,17 @@ def test_kernels_and_torch_are_timed_in_pairs_after_warming_up(monkeypatch):
         return run
 
     routings = [(f"ids{i}", f"w{i}") for i in range(4)]
-    kernel_seconds, torch_seconds, speedup = bench._paired_times(call("kernel", kernel_s), call("torch", torch_s),
-                                                                 routings, None)
+    kernel_seconds, torch_seconds = bench._case_times(call("kernel", kernel_s), call("torch", torch_s), routings, None)
     kernel_settle = [("kernel", 0, "ids0")] * 2  # 2 x 8 ms reach 16 ms
     torch_settle = [("torch", 0, "ids0")]  # one call at least
-    assert calls == ([("kernel", 0, "ids0")] * 5  # 5 x 8 ms reach 40 ms
-                     + kernel_settle + [("kernel", 1, "ids1")] + torch_settle + [("torch", 1, "ids1")]
-                     + kernel_settle + [("kernel", 2, "ids2")] + torch_settle + [("torch", 2, "ids2")]
-                     + kernel_settle + [("kernel", 3, "ids3")] + torch_settle + [("torch", 3, "ids3")])
+    assert calls == ([("sleep", 300 * ms)]
+                     + [("kernel", 0, "ids0")] * 5  # 5 x 8 ms reach 40 ms
+                     + kernel_settle + [("kernel", 1, "ids1")] + kernel_settle + [("kernel", 2, "ids2")]
+                     + kernel_settle + [("kernel", 3, "ids3")]
+                     + [("torch", 0, "ids0")]  # its warm-up: one call at least
+                     + torch_settle + [("torch", 1, "ids1")] + torch_settle + [("torch", 2, "ids2")]
+                     + torch_settle + [("torch", 3, "ids3")])
     assert (kernel_seconds, torch_seconds) == (2 * ms, 9 * ms)
-    assert speedup == pytest.approx(4.0)
 
 
 def test_unknown_formats_are_refused():

@@ -8,8 +8,8 @@ larger than the caches (1 GiB, 256 MiB with --quick, or 4x the last-level cache 
 layers of E experts as the pool fills, called in turn as a model's layers are (the Qwen3 shapes' 128 experts
 hold 300-600 MB, which a server's last-level cache can nearly hold), and each repeat draws a new routing, so
 weights stream from memory as in decode. Side by side, on the same layers and routing: torch bf16 matmul on
-pre-converted weights (each routing's torch call right after the kernels' call, _paired_times), and torch
-dequantise-then-matmul of the format's weights.
+pre-converted weights (timed right after the kernels, _case_times), and torch dequantise-then-matmul of the
+format's weights.
 
 The bandwidth probe's buffer comes from numpy, which asks for transparent huge pages, and so do the experts: a
 pool's tensors lie in one numpy-allocated block (_HugePageArena), read in place by the kernels and by torch's
@@ -66,7 +66,8 @@ EXPERT_MEMORY = {False: "read in place (huge pages)", True: "copied at load (hug
 # of 8 calls after one warm-up call: 3.0-5.6 ms after 1 s idle, 1.9-3.1 ms right after torch's calls; 2.4-2.9 ms
 # after 1 s idle and 0.2 s of warm-up calls), so each case first calls for this long.
 WARMUP_SECONDS = 0.2
-SETTLE_SECONDS = 0.02  # untimed calls before each timed one of a pair (_paired_times)
+SETTLE_SECONDS = 0.02  # untimed calls before each timed one (_block_times)
+QUIET_SECONDS = 0.3  # idle CPUs before a case's kernel calls: torch's OpenMP threads spin out (_case_times)
 DEQUANT_MAX_EXPERTS = {False: 8, True: 2}  # by quick: experts the dequantise baseline times per call, then scales
 
 
@@ -228,23 +229,31 @@ def _warm_up(call, routing, hidden, seconds: float) -> None:
         call(0, hidden, *routing)
 
 
-def _paired_times(kernel, baseline, routings, hidden) -> tuple[float, float, float]:
-    """The kernels and a torch baseline (each call(layer, hidden, ids, weights)) on the same routings, back to back:
-    after the kernels' warm-up (the first routing on layer 0 for WARMUP_SECONDS), per routing i: the kernels, then
-    torch, each on layer i right after its own untimed calls on layer 0 for SETTLE_SECONDS (at least one), so that
-    each runs with its threads awake and the other's idle (torch's OpenMP threads spin a while after its calls, and
-    fall asleep during the kernels'). The host's bandwidth drifts within minutes, so each pair meets it alike.
-    Returns the kernels' median seconds, torch's, and the median over the pairs of torch / kernels."""
-    _warm_up(kernel, routings[0], hidden, WARMUP_SECONDS)
-    kernel_times, baseline_times = [], []
+def _block_times(call, routings, hidden) -> list[float]:
+    """call(layer, hidden, ids, weights)'s seconds on each routing i >= 1 (on layer i), each timed call right after
+    untimed calls on layer 0 with the first routing for SETTLE_SECONDS (at least one), all after a warm-up of
+    WARMUP_SECONDS: the threads are awake and the timed layer's weights are not in the caches."""
+    _warm_up(call, routings[0], hidden, WARMUP_SECONDS)
+    times = []
     for layer, (ids, weights) in enumerate(routings[1:], 1):
-        for call, times in ((kernel, kernel_times), (baseline, baseline_times)):
-            _warm_up(call, routings[0], hidden, SETTLE_SECONDS)
-            start = time.perf_counter()
-            call(layer, hidden, ids, weights)
-            times.append(time.perf_counter() - start)
-    ratios = np.array(baseline_times) / np.array(kernel_times)
-    return float(np.median(kernel_times)), float(np.median(baseline_times)), float(np.median(ratios))
+        _warm_up(call, routings[0], hidden, SETTLE_SECONDS)
+        start = time.perf_counter()
+        call(layer, hidden, ids, weights)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _case_times(kernel, baseline, routings, hidden) -> tuple[float, float]:
+    """The kernels' and a torch baseline's median seconds (each call(layer, hidden, ids, weights)) on the same
+    routings: after QUIET_SECONDS of idle CPUs, all of the kernels' calls, then all of torch's (_block_times).
+    Torch's OpenMP threads spin on after its calls and compete with the kernels' threads for the CPUs: on a lent
+    16-CPU Xeon, the kernels' calls each timed 20 ms after a torch call (the pairs this bench once timed) took up
+    to 2x as long (Qwen3 fp8 T = 1 0.69 ms against 0.34 ms after no torch call, or with OMP_WAIT_POLICY=PASSIVE).
+    A case takes about a second, well within the minutes over which the host's bandwidth drifts."""
+    time.sleep(QUIET_SECONDS)
+    kernel_times = _block_times(kernel, routings, hidden)
+    baseline_times = _block_times(baseline, routings, hidden)
+    return float(np.median(kernel_times)), float(np.median(baseline_times))
 
 
 def _torch_moe(expert_weights, hidden, ids, weights, limit: int | None = None) -> int:
@@ -306,17 +315,18 @@ def bench_shape(name: str, fmts: list[str], quick: bool, probe: MachineProbe, lo
     for fmt in fmts:
         pool = bf16_pool if fmt == "bf16" else ExpertPool(fmt, hidden, inter, num_experts, pool_bytes(quick), source)
         # each case between two probes (one case's probe after is the next one's before)
-        kernel_seconds, torch_seconds, speedup, probes, before = {}, {}, {}, {}, probe.beside()
+        kernel_seconds, torch_seconds, probes, before = {}, {}, {}, probe.beside()
         for t in tokens_list:
-            kernel_seconds[t], torch_seconds[t], speedup[t] = _paired_times(pool.moe, torch_bf16, routing[t], hid[t])
+            kernel_seconds[t], torch_seconds[t] = _case_times(pool.moe, torch_bf16, routing[t], hid[t])
             after = probe.beside()
             probes[t] = (max(before[0], after[0]), max(before[1], after[1]))
             before = after
         for t in tokens_list:
             seconds = kernel_seconds[t]
+            speedup = torch_seconds[t] / seconds
             active = float(np.mean([ids.unique().numel() for ids, _ in routing[t][1:]]))
             if fmt == "bf16":  # bf16 weights need no dequantisation: the same baseline
-                vs_dequant, estimated = speedup[t], False
+                vs_dequant, estimated = speedup, False
             else:
                 dequant, estimated = _dequant_time(pool, routing[t], hid[t], DEQUANT_MAX_EXPERTS[quick],
                                                    1 if quick else 2)
@@ -324,7 +334,7 @@ def bench_shape(name: str, fmts: list[str], quick: bool, probe: MachineProbe, lo
             gbs = active * pool.expert_bytes / seconds / 1e9
             row = {"shape": name, "format": fmt, "tokens": t, "ms": seconds * 1e3, "weight_gbs": gbs,
                    "gflops": flops_per_pair * t * top_k / seconds / 1e9, "torch_bf16_ms": torch_seconds[t] * 1e3,
-                   "speedup_vs_bf16_torch": speedup[t], "speedup_vs_dequant_torch": vs_dequant,
+                   "speedup_vs_bf16_torch": speedup, "speedup_vs_dequant_torch": vs_dequant,
                    "dequant_torch_estimated": estimated, "distinct_experts": pool.distinct,
                    "layers": pool.num_layers,
                    "probe_gbs": probes[t][0], "probe_gflops": probes[t][1]}
