@@ -44,22 +44,44 @@ def test_bench_writes_the_report(tmp_path, monkeypatch):
     assert report["memory_bandwidth_gbs"] == max(report["memory_bandwidth_gbs_probes"])
 
 
-def test_the_kernels_then_torch_are_timed_after_a_quiet_pause_and_warming_up(monkeypatch):
-    """_case_times sleeps QUIET_SECONDS, then the kernels: on the first routing (layer 0) until WARMUP_SECONDS have
-    passed, then per routing i on layer 0 for SETTLE_SECONDS, untimed, and on layer i; then torch likewise. It
-    returns the medians of the timed calls (on a fake clock that each call and the sleep advance)."""
-    clock = types.SimpleNamespace(now=0.0)
-    calls = []
+def _fake_clock(monkeypatch, calls: list, spinning_sleeps: int = 0):
+    """bench's time module on a fake clock that each call (and sleep) advances; the first `spinning_sleeps` sleeps
+    see another thread of the process spin (process time advancing as fast as the clock)."""
+    clock = types.SimpleNamespace(now=0.0, cpu=0.0, sleeps=0)
 
     def sleep(seconds):
         calls.append(("sleep", seconds))
         clock.now += seconds
+        clock.sleeps += 1
+        if clock.sleeps <= spinning_sleeps:
+            clock.cpu += seconds
 
-    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock.now, sleep=sleep))
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock.now, sleep=sleep,
+                                                             process_time=lambda: clock.cpu))
+    return clock
+
+
+def test_the_wait_for_quiet_cpus_sleeps_until_no_thread_spins(monkeypatch):
+    calls = []
+    _fake_clock(monkeypatch, calls, spinning_sleeps=3)
+    bench._wait_until_quiet()
+    assert calls == [("sleep", bench.QUIET_STEP_SECONDS)] * 4
+    calls.clear()
+    _fake_clock(monkeypatch, calls, spinning_sleeps=10**6)  # spins for ever: waits QUIET_MAX_SECONDS, no more
+    bench._wait_until_quiet()
+    assert len(calls) == pytest.approx(bench.QUIET_MAX_SECONDS / bench.QUIET_STEP_SECONDS, abs=1)
+
+
+def test_the_kernels_then_torch_are_timed_once_quiet_after_warming_up(monkeypatch):
+    """_case_times waits for quiet CPUs, then times the kernels: on the first routing (layer 0) until
+    WARMUP_SECONDS have passed, then per routing i on layer 0 for SETTLE_SECONDS, untimed, and on layer i; then
+    torch likewise. It returns the medians of the timed calls."""
+    calls = []
+    clock = _fake_clock(monkeypatch, calls, spinning_sleeps=1)
     ms = 2.0 ** -10  # about a millisecond, exact in binary, so that the clock's sums are too
     monkeypatch.setattr(bench, "WARMUP_SECONDS", 40 * ms)
     monkeypatch.setattr(bench, "SETTLE_SECONDS", 16 * ms)
-    monkeypatch.setattr(bench, "QUIET_SECONDS", 300 * ms)
+    monkeypatch.setattr(bench, "QUIET_STEP_SECONDS", 10 * ms)
     kernel_s = {0: 8 * ms, 1: 1 * ms, 2: 3 * ms, 3: 2 * ms}
     torch_s = {0: 1000 * ms, 1: 4 * ms, 2: 9 * ms, 3: 10 * ms}
 
@@ -73,7 +95,7 @@ def test_the_kernels_then_torch_are_timed_after_a_quiet_pause_and_warming_up(mon
     kernel_seconds, torch_seconds = bench._case_times(call("kernel", kernel_s), call("torch", torch_s), routings, None)
     kernel_settle = [("kernel", 0, "ids0")] * 2  # 2 x 8 ms reach 16 ms
     torch_settle = [("torch", 0, "ids0")]  # one call at least
-    assert calls == ([("sleep", 300 * ms)]
+    assert calls == ([("sleep", 10 * ms)] * 2  # a thread spun in the first
                      + [("kernel", 0, "ids0")] * 5  # 5 x 8 ms reach 40 ms
                      + kernel_settle + [("kernel", 1, "ids1")] + kernel_settle + [("kernel", 2, "ids2")]
                      + kernel_settle + [("kernel", 3, "ids3")]

@@ -67,7 +67,8 @@ EXPERT_MEMORY = {False: "read in place (huge pages)", True: "copied at load (hug
 # after 1 s idle and 0.2 s of warm-up calls), so each case first calls for this long.
 WARMUP_SECONDS = 0.2
 SETTLE_SECONDS = 0.02  # untimed calls before each timed one (_block_times)
-QUIET_SECONDS = 0.3  # idle CPUs before a case's kernel calls: torch's OpenMP threads spin out (_case_times)
+QUIET_STEP_SECONDS = 0.01  # _wait_until_quiet's sleeps, until this process used under 0.1 CPU in one
+QUIET_MAX_SECONDS = 1.0
 DEQUANT_MAX_EXPERTS = {False: 8, True: 2}  # by quick: experts the dequantise baseline times per call, then scales
 
 
@@ -243,14 +244,26 @@ def _block_times(call, routings, hidden) -> list[float]:
     return times
 
 
+def _wait_until_quiet() -> None:
+    """Sleep QUIET_STEP_SECONDS at a time until this process's threads used under a tenth of a CPU in one (torch's
+    OpenMP workers spin on after its calls: about 10 ms here, on 2 vCPUs), for at most QUIET_MAX_SECONDS."""
+    deadline = time.perf_counter() + QUIET_MAX_SECONDS
+    while time.perf_counter() < deadline:
+        cpu = time.process_time()
+        time.sleep(QUIET_STEP_SECONDS)
+        if time.process_time() - cpu < 0.1 * QUIET_STEP_SECONDS:
+            return
+
+
 def _case_times(kernel, baseline, routings, hidden) -> tuple[float, float]:
     """The kernels' and a torch baseline's median seconds (each call(layer, hidden, ids, weights)) on the same
-    routings: after QUIET_SECONDS of idle CPUs, all of the kernels' calls, then all of torch's (_block_times).
-    Torch's OpenMP threads spin on after its calls and compete with the kernels' threads for the CPUs: on a lent
-    16-CPU Xeon, the kernels' calls each timed 20 ms after a torch call (the pairs this bench once timed) took up
-    to 2x as long (Qwen3 fp8 T = 1 0.69 ms against 0.34 ms after no torch call, or with OMP_WAIT_POLICY=PASSIVE).
-    A case takes about a second, well within the minutes over which the host's bandwidth drifts."""
-    time.sleep(QUIET_SECONDS)
+    routings: once the CPUs are quiet (_wait_until_quiet), all of the kernels' calls, then all of torch's
+    (_block_times). Torch's OpenMP threads spin on after its calls and compete with the kernels' threads for the
+    CPUs: on a lent 16-CPU Xeon, the kernels' calls each timed 20 ms after a torch call (the pairs this bench once
+    timed) took up to 2x as long (Qwen3 fp8 T = 1 0.69 ms against 0.34 ms after no torch call, or with
+    OMP_WAIT_POLICY=PASSIVE). A case takes about a second, well within the minutes over which the host's bandwidth
+    drifts."""
+    _wait_until_quiet()
     kernel_times = _block_times(kernel, routings, hidden)
     baseline_times = _block_times(baseline, routings, hidden)
     return float(np.median(kernel_times)), float(np.median(baseline_times))
