@@ -124,7 +124,8 @@ constexpr int64_t kAmxMinTokens = 8;
 // 2048 x 768 1.22-1.51x; int4 1.05-1.40x; int8 0.92-1.17x. The MoE (2 threads, in-process A/B): Qwen3-30B-A3B fp8
 // T = 1 1.45x with the probe at 60-67 GB/s (1.16x at 27-36), T = 4 1.18-1.38x; int4, int8, bf16 1.02-1.09x;
 // DeepSeek-V3 fp8 1.08-1.12x, int4 0.97-0.99x, int8 and bf16 0.99-1.01x. Zen 3 had read 0.97-1.01x with T1 hints
-// on the next tile (before the far prefetch); Zen 5 and Xeons are not measured with it and keep L1.
+// on the next tile (before the far prefetch); a lent 16-core Xeon (Emerald Rapids, 2026-12-04, the MoE on 16
+// threads, in-process A/B) 0.97-1.03x in every case, and keeps L1; Zen 5 is not measured with it and keeps L1.
 // Unresolved until cpu_features.h resolves it; the kernels take anything but L2 as L1.
 enum class PrefetchLevel : int { Unresolved = 0, L1 = 1, L2 = 2 };
 inline std::atomic<PrefetchLevel> g_short_row_prefetch{PrefetchLevel::Unresolved};
