@@ -115,8 +115,8 @@ constexpr int64_t kAmxMinTokens = 8;
 
 // Where the GEMV path's prefetch that reaches ahead (kPrefetchAheadBytes, kernels_simd_common.h) puts short rows
 // (under kPrefetchL2MinBytes) at one token (any tokens with bf16 dot products; not the float32 GEMV's 4-row tiles,
-// kernels_simd_float.h), which went to L1 before: into L1 (prefetcht0) or only into L2 (prefetcht1). Longer rows, and several tokens whose activations would be evicted, go to
-// L2 either way. One setting for the process, read by the kernels at each matrix; cpu_features.h resolves it before
+// kernels_simd_float.h), which went to L1 before: into L1 (prefetcht0) or only into L2 (prefetcht1). Longer rows,
+// and several tokens whose activations would be evicted, go to L2 either way. One setting for the process, read by the kernels at each matrix; cpu_features.h resolves it before
 // the first kernel runs (short_row_prefetch: HYBRIDMOE_SHORT_ROW_PREFETCH, else this CPU's default). On Zen 4
 // (2026-12-04, benchmarks/gemv_ab.sh, rows from memory on huge pages, L2 against L1): fp8 768 x 2048 at one token
 // 1.43-1.73x on one thread (16 -> 24-28.5 GB/s against a plain read's 29-33: with L1 the GEMV had read at about
