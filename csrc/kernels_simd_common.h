@@ -160,7 +160,7 @@ inline const uint8_t* next_tile_rows(const Matrix& w, I64 r, I64 r1, I64 R, I64 
 // fp8 in the float32 GEMV at two tokens or under 3 KB (its decode costs 3 operations a vector) and on AVX2 (half
 // the arithmetic per instruction). Rows under 3 KB need the prefetch that reaches ahead (kPrefetchAheadBytes): with
 // the next row only, one-row tiles of 2 KB fp8 rows read 0.93-0.96x. Measured 2026-12-03 on Zen 5: "One-row GEMV
-// tiles, measured" in docs/kernels.md.
+// tiles, measured" in docs/kernels-measured.md.
 constexpr I64 kOneRowTileMinBytes = 1 << 10;
 
 // Whether vocabulary V's GEMV (bf16_dot: the bf16 dot-product GEMV, else the float32 one) of `tokens` tokens
