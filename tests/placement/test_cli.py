@@ -8,6 +8,7 @@ import pytest
 
 from hybridmoe.cli import main
 from hybridmoe.commands.plan import parse_size
+from hybridmoe.commands.profile import matmul_shapes
 
 
 def test_parse_size():
@@ -75,6 +76,17 @@ def test_simulate_paper_prints_the_comparison(capsys):
     assert "EPYC 9654" in text and "fitted" in text and "predicted" in text
 
 
+def test_matmul_shapes_reach_prefill_sizes_on_an_accelerator():
+    """An accelerator's table runs to prefill-sized products (the planner holds the last row's rate beyond it);
+    a CPU's stays small enough to time in seconds, quick smaller still."""
+    for quick in (True, False):
+        n, tokens = matmul_shapes(quick, accelerator=True)
+        assert n >= 4096 and max(tokens) >= 8192 and tokens == tuple(sorted(tokens)) and tokens[0] == 1
+        cpu_n, cpu_tokens = matmul_shapes(quick, accelerator=False)
+        assert max(cpu_tokens) <= 512 and cpu_n <= n
+    assert matmul_shapes(True, False)[0] < matmul_shapes(False, False)[0]
+
+
 @pytest.mark.slow
 def test_profile_then_plan_with_it(tmp_path, capsys):
     """A quick measured profile of this machine loads, says what it measured, and plans a model."""
@@ -91,6 +103,9 @@ def test_profile_then_plan_with_it(tmp_path, capsys):
         assert f"short rows prefetched to {isa.short_row_prefetch().upper()}" in data["expert_kernels"][0]
     if data["gpu"]["stand_in"]:
         assert "stand-in" in json.dumps(data["gpu"]) or "standing in" in json.dumps(data["gpu"])
+    n, tokens = matmul_shapes(True, not data["gpu"]["stand_in"])  # the table says what it measured
+    assert [row[0] for row in data["gpu"]["matmul_table"]["bf16"]] == list(tokens)
+    assert f"{n}^2 weights" in data["gpu"]["matmul_table_source"]
     capsys.readouterr()
     assert main(["plan", "--model", "qwen3-30b-a3b", "--vram", "4GB", "--profile", str(out),
                  "--experts", "fp8", "--context", "2048"]) == 0

@@ -29,6 +29,17 @@ TOKENS = (1, 4, 16, 64)
 CACHE_MULTIPLE = 4  # working sets are at least this many times the last-level cache
 
 
+def matmul_shapes(quick: bool, accelerator: bool) -> tuple[int, tuple[int, ...]]:
+    """(n, token counts) of the matmul table: T x n activations times n x n weights. The planner holds a table's
+    last rate beyond its largest T, and an accelerator's rate still climbs past 512 tokens (a lent H200's quick
+    table, 2048^2 weights up to 512 tokens, topped out at 146 bf16 TFLOP/s, a fifth of its rate on large products),
+    so an accelerator also measures prefill-sized products on larger weights; a CPU keeps to what it times in
+    seconds."""
+    if accelerator:
+        return (4096 if quick else 8192), (1, 16, 128, 512, 2048, 8192)
+    return (2048 if quick else 4096), (1, 16, 128, 512)
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("profile", help="measure this machine and save a hardware profile")
     p.add_argument("--out", help=f"where to write it (default {DEFAULT_PROFILE}; required with --routing-model)")
@@ -175,12 +186,13 @@ class Measurer:
 
     # ---- matmul and attention ------------------------------------------------------------------------
     def matmul_table(self, dtype_name: str, device) -> list[list[float]]:
+        """(T, achieved TFLOP/s) of T x n activations times n x n weights (matmul_shapes)."""
         torch = self.torch
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
-        n = 2048 if self.quick else 4096
+        n, tokens = matmul_shapes(self.quick, device.type != "cpu")
         w = torch.randn(n, n, dtype=dtype, device=device)
         rows = []
-        for t in (1, 16, 128, 512):
+        for t in tokens:
             x = torch.randn(t, n, dtype=dtype, device=device)
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             seconds = best_time(lambda: (x @ w.T, sync()), self.repeats)
@@ -276,6 +288,7 @@ def build_profile(quick: bool, formats: tuple[str, ...], log=print) -> dict:
         "attention_table": cpu_attention,
     }
     device = m.device
+    matmul_n = matmul_shapes(quick, not stand_in)[0]
     if stand_in:
         gpu_matmul, gpu_attention, mem_gbs = cpu_matmul, cpu_attention, read
         memory_gb = cpu_section["memory_gb"]["value"]
@@ -300,7 +313,8 @@ def build_profile(quick: bool, formats: tuple[str, ...], log=print) -> dict:
         "h2d_gbs": measured(link_gbs, "pinned host->device copy" if m.cuda else "host memory copy (stand-in)"),
         "d2h_gbs": measured(link_gbs, "pinned device->host copy" if m.cuda else "host memory copy (stand-in)"),
         "link_latency_us": measured(max(latency_us, 0.1), "16 KiB copy"),
-        "matmul_table": gpu_matmul, "matmul_table_source": f"measured: torch on {where}; (T, TFLOP/s), 4096^2 weights",
+        "matmul_table": gpu_matmul,
+        "matmul_table_source": f"measured: torch on {where}; (T, TFLOP/s), {matmul_n}^2 weights",
         "attention_table": gpu_attention,
         "attention_table_source": f"measured: torch SDPA on {where}; (context, TFLOP/s)",
     }
