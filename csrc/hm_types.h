@@ -115,18 +115,20 @@ constexpr int64_t kAmxMinTokens = 8;
 
 // Where the GEMV path's prefetch that reaches ahead (kPrefetchAheadBytes, kernels_simd_common.h) puts short rows
 // (under kPrefetchL2MinBytes) at one token (any tokens with bf16 dot products; not the float32 GEMV's 4-row tiles,
-// kernels_simd_float.h), which went to L1 before: into L1 (prefetcht0) or only into L2 (prefetcht1). Longer rows,
-// and several tokens whose activations would be evicted, go to L2 either way. One setting for the process, read by the kernels at each matrix; cpu_features.h resolves it before
-// the first kernel runs (short_row_prefetch: HYBRIDMOE_SHORT_ROW_PREFETCH, else this CPU's default). On Zen 4
-// (2026-12-04, benchmarks/gemv_ab.sh, rows from memory on huge pages, L2 against L1): fp8 768 x 2048 at one token
-// 1.43-1.73x on one thread (16 -> 24-28.5 GB/s against a plain read's 29-33: with L1 the GEMV had read at about
-// 1 / (1 / its in-cache rate + 1 / the read's), its arithmetic and its reads taking turns), 1.26x on two; bf16
-// 2048 x 768 1.22-1.51x; int4 1.05-1.40x; int8 0.92-1.17x. The MoE (2 threads, in-process A/B): Qwen3-30B-A3B fp8
-// T = 1 1.45x with the probe at 60-67 GB/s (1.16x at 27-36), T = 4 1.18-1.38x; int4, int8, bf16 1.02-1.09x;
-// DeepSeek-V3 fp8 1.08-1.12x, int4 0.97-0.99x, int8 and bf16 0.99-1.01x. Zen 3 had read 0.97-1.01x with T1 hints
-// on the next tile (before the far prefetch); a lent 16-core Xeon (Emerald Rapids, 2026-12-04, the MoE on 16
-// threads, in-process A/B) 0.97-1.03x in every case, and keeps L1; Zen 5 is not measured with it and keeps L1.
-// Unresolved until cpu_features.h resolves it; the kernels take anything but L2 as L1.
+// kernels_simd_float.h), which went to L1 before: into L1 (prefetcht0) or only into L2 (prefetcht1; since session 35
+// each line asked for twice, and the one-row tiles of long rows ask twice too: the Twice policies of NextRows,
+// kernels_simd_common.h). Longer rows, and several tokens whose activations would be evicted, go to L2 either way.
+// One setting for the process, read by the kernels at each matrix; cpu_features.h resolves it before the first
+// kernel runs (short_row_prefetch: HYBRIDMOE_SHORT_ROW_PREFETCH, else this CPU's default). On Zen 4 (2026-12-04,
+// benchmarks/gemv_ab.sh, rows from memory on huge pages, L2 against L1): fp8 768 x 2048 at one token 1.43-1.73x on
+// one thread (16 -> 24-28.5 GB/s against a plain read's 29-33: with L1 the GEMV had read at about 1 / (1 / its
+// in-cache rate + 1 / the read's), its arithmetic and its reads taking turns), 1.26x on two; bf16 2048 x 768
+// 1.22-1.51x; int4 1.05-1.40x; int8 0.92-1.17x. The MoE (2 threads, in-process A/B): Qwen3-30B-A3B fp8 T = 1 1.45x
+// with the probe at 60-67 GB/s (1.16x at 27-36), T = 4 1.18-1.38x; int4, int8, bf16 1.02-1.09x; DeepSeek-V3 fp8
+// 1.08-1.12x, int4 0.97-0.99x, int8 and bf16 0.99-1.01x. Zen 3 had read 0.97-1.01x with T1 hints on the next tile
+// (before the far prefetch); a lent 16-core Xeon (Emerald Rapids, 2026-12-04, the MoE on 16 threads, in-process A/B)
+// 0.97-1.03x in every case, and keeps L1; Zen 5 is not measured with it and keeps L1. Unresolved until
+// cpu_features.h resolves it; the kernels take anything but L2 as L1.
 enum class PrefetchLevel : int { Unresolved = 0, L1 = 1, L2 = 2 };
 inline std::atomic<PrefetchLevel> g_short_row_prefetch{PrefetchLevel::Unresolved};
 

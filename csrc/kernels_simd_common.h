@@ -59,7 +59,19 @@ HM_TILE_INLINE typename V::F decode(const uint8_t* p) {
 // rather than L1: 7 KB fp8 streams 15.2 -> 19.0, and this policy against the one before it 1.1-1.4x at one token
 // and 1.3-1.85x at two for rows of 3.5-14 KB (fp8, bf16, int4, int8), while linear into L2 read 2 KB fp8 and 1 KB
 // int4 rows at 0.84-0.98x and 0.68-0.75x (their next tile's lines must be in L1 when it starts).
-enum class NextRows { LinearL1, LinearL2, StreamsL2 };
+// The Twice policies go with the L2 level of short rows' far prefetch (g_short_row_prefetch, hm_types.h; AMD Zen 4):
+// LinearL2Twice (short rows' far prefetch) and StreamsL2Twice (one-row tiles of long rows) prefetch each line again
+// kPrefetchAgainBytes further ahead, so that every line is asked for twice, first from about twice as far. On Zen 4
+// (2026-12-04, session 35) one thread streaming 2 KB fp8 rows from memory on huge pages at one token (a standalone
+// loop of the kernels' arithmetic, medians of 9 rounds) read 0.82-0.90 of a plain read with one prefetch 8 KB ahead
+// (0.80-0.85 with it 12 or 16 KB ahead, 0.91-0.93 asking for each line twice at 8 KB) and 0.96-1.05 asking at 8 and
+// again at 12-24 KB; two threads 0.85 against 1.00-1.01 with the plain read at 50 GB/s. The MoE (2 threads, the
+// policies and the former ones alternating in one process, medians of 6-14 rounds): Qwen3-30B-A3B T = 1 fp8
+// 1.04-1.08x (1.07x with the probe at 25-69 GB/s: 44.0 -> 47.1 GB/s of weights), int4 1.03-1.10x, int8 1.03-1.09x,
+// bf16 1.01-1.03x, T = 4 1.00-1.06x; DeepSeek-V3 T = 1 fp8 1.07x, int4 1.04x, int8 1.02x, bf16 1.06x, T = 4
+// 1.02-1.08x (0.99-1.03x with LinearL2Twice alone). One 2048 x 7168 fp8 matrix (7 KB rows) at two tokens: 1.32x on
+// one thread, 1.16x on two.
+enum class NextRows { LinearL1, LinearL2, StreamsL2, LinearL2Twice, StreamsL2Twice };
 
 constexpr I64 kPrefetchL2MinBytes = 3 << 10;  // rows from which the next tile goes to L2 rather than L1
 constexpr I64 kRowStreamMinBytes = 4 << 10;   // rows from which the float GEMV prefetches R streams
@@ -94,29 +106,40 @@ struct NextRowsTag {
 // that far ahead (prefetch_ahead_rows), and short ones then go to g_short_row_prefetch's level (hm_types.h).
 template <class V, Gemv G, int R, class Fn>
 inline void with_next_rows(I64 row_bytes, I64 tokens, I64 activation_bytes, bool far, Fn&& fn) {
-  if constexpr (G == Gemv::Float)
-    if (row_bytes >= kRowStreamMinBytes) return fn(NextRowsTag<NextRows::StreamsL2>{});
+  const bool l2 = g_short_row_prefetch.load(std::memory_order_relaxed) == PrefetchLevel::L2;
+  if constexpr (G == Gemv::Float) {
+    if (row_bytes >= kRowStreamMinBytes) {
+      if constexpr (R == 1)
+        if (l2) return fn(NextRowsTag<NextRows::StreamsL2Twice>{});
+      return fn(NextRowsTag<NextRows::StreamsL2>{});
+    }
+  }
   const bool evicts =
       tokens >= l2_prefetch_min_tokens<V, G>() && activation_bytes + 2 * R * row_bytes > kL1PrefetchMaxBytes;
-  const bool far_to_l2 = far && g_short_row_prefetch.load(std::memory_order_relaxed) == PrefetchLevel::L2;
-  if (row_bytes >= kPrefetchL2MinBytes || evicts || far_to_l2) return fn(NextRowsTag<NextRows::LinearL2>{});
+  if (far && l2 && row_bytes < kPrefetchL2MinBytes) return fn(NextRowsTag<NextRows::LinearL2Twice>{});
+  if (row_bytes >= kPrefetchL2MinBytes || evicts || (far && l2)) return fn(NextRowsTag<NextRows::LinearL2>{});
   fn(NextRowsTag<NextRows::LinearL1>{});
 }
+
+constexpr I64 kPrefetchAgainBytes = 8 << 10;  // the Twice policies' first prefetch, beyond their second
 
 // The next tile's prefetch at byte `pos` of this tile's rows, which it reads kStepBytes a step (see NextRows).
 template <NextRows P, int R, I64 kStepBytes>
 HM_TILE_INLINE void prefetch_next(const uint8_t* next, I64 stride, I64 pos) {
   constexpr _mm_hint kHint = P == NextRows::LinearL1 ? _MM_HINT_T0 : _MM_HINT_T1;
-  if constexpr (P != NextRows::StreamsL2) {
-    for (I64 off = 0; off < R * kStepBytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(next + R * pos + off), kHint);
+  constexpr bool kTwice = P == NextRows::LinearL2Twice || P == NextRows::StreamsL2Twice;
+  const auto line = [](const uint8_t* p) HM_TILE_LAMBDA {
+    _mm_prefetch(reinterpret_cast<const char*>(p), kHint);
+    if constexpr (kTwice) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAgainBytes), kHint);
+  };
+  if constexpr (P != NextRows::StreamsL2 && P != NextRows::StreamsL2Twice) {
+    for (I64 off = 0; off < R * kStepBytes; off += 64) line(next + R * pos + off);
   } else if constexpr (kStepBytes >= 64) {
     for (int i = 0; i < R; ++i)
-      for (I64 off = 0; off < kStepBytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next + i * stride + pos + off), kHint);
+      for (I64 off = 0; off < kStepBytes; off += 64) line(next + i * stride + pos + off);
   } else if (static_cast<uint64_t>(pos) % 64 < static_cast<uint64_t>(kStepBytes)) {  // a new line of each row
     // (unsigned: GCC 12 emitted no prefetch at all for the signed `(pos & 63) < kStepBytes` in the fp8 GEMV)
-    for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + i * stride + pos), kHint);
+    for (int i = 0; i < R; ++i) line(next + i * stride + pos);
   }
 }
 

@@ -40,7 +40,8 @@ HM_TILE_INLINE void int_tile(const uint8_t* const* rowp, const uint16_t* const* 
                              const int8_t* const* xq, const float* const* xs, const float* const* xsum,
                              float (&out)[R][MT], const uint8_t* next) {
   constexpr I64 kChunkBytes = F == WFormat::INT4 ? 16 : 32;  // bytes of one row's 32 elements
-  static_assert(P != NextRows::StreamsL2, "int tiles prefetch linearly (their stride argument is 0)");
+  static_assert(P != NextRows::StreamsL2 && P != NextRows::StreamsL2Twice,
+                "int tiles prefetch linearly (their stride argument is 0)");
   constexpr float kOffset = F == WFormat::INT4 ? 8.0f : static_cast<float>(V::kI8Offset);
   constexpr int kGroup = 32 * kChunks;
   __m256 accf[R][MT], corr[R][MT];

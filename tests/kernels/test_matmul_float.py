@@ -177,7 +177,9 @@ def test_gemv_rows_of_1_kb_and_more(each_isa, fmt, cols):
     with rows of >= 4 KB (gemv_tile_rows). One token against rows of >= 1 KB: one-row tiles (one_row_tiles;
     fp8 with bf16 dot products from 2 KB, also at two tokens; fp8 in the float32 GEMV from 3 KB, on AVX-512
     only), over fp8 rows of two row blocks; with bf16 dot products one token's rows take one_token_row, but for
-    the row with the subnormal code; rows under 3 KB prefetch the tile 8 KB ahead (kPrefetchAheadBytes)."""
+    the row with the subnormal code; rows under 3 KB prefetch the tile 8 KB ahead (kPrefetchAheadBytes). Both
+    levels of short rows' far prefetch (isa.short_row_prefetch, by CPU), whose L2 level also asks for each line a
+    second time, further ahead, in the one-row tiles of long rows, give the same output bit for bit."""
     gen = torch.Generator().manual_seed(seed(fmt, cols, each_isa))
     rows = 133 if fmt == "fp8" else 21
     if fmt == "fp8":
@@ -192,7 +194,12 @@ def test_gemv_rows_of_1_kb_and_more(each_isa, fmt, cols):
         w64, m, bf16 = w.double(), kernel_matrix(fmt, w), (fmt, w, None, (128, 128))
     for tokens in (1, 2, 3, 4, 5, 8, 10):
         x = torch.randn(tokens, cols, generator=gen)
-        _check(matmul(m, x, "gemv"), x, w64, bf16=bf16 if _bf16(m, "gemv", tokens, fmt, None) else None)
+        outs = []
+        for level in ("l1", "l2"):
+            with isa.use_short_row_prefetch(level):
+                outs.append(matmul(m, x, "gemv"))
+        assert torch.equal(outs[0], outs[1]), f"{tokens} tokens"
+        _check(outs[0], x, w64, bf16=bf16 if _bf16(m, "gemv", tokens, fmt, None) else None)
 
 
 @pytest.mark.parametrize("fmt,cols", [("fp8", 700), ("fp8", 5000), ("bf16", 700), ("bf16", 2047), ("bf16", 2050)])

@@ -138,7 +138,8 @@ def set_idle_spin_us(us: int) -> None:
 
 def short_row_prefetch() -> str:
     """Where the GEMV's prefetch that reaches ahead puts rows under 3 KB at one token (any tokens with bf16 dot
-    products): "l1" or "l2"."""
+    products): "l1" or "l2". At "l2" each line is asked for twice, the first time about twice as far ahead, and so
+    are the lines of long rows read one row at a time (docs/kernels.md, "How the kernels compute")."""
     return str(_native.short_row_prefetch())
 
 
