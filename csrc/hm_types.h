@@ -110,7 +110,8 @@ static inline int64_t bf16_dot_min_tokens(WFormat f, int64_t row_bytes) {
 // Tokens per expert from which the amx table multiplies bf16 and fp8 weights by AMX tiles (kernels_amx.h) on the
 // auto path; fewer take the avx512 float32 GEMV. On a lent 16-core Emerald Rapids (2026-12-04, one 2048 x 7168
 // matrix, 1 and 16 threads, rows in cache and from memory) the tiles ran at 0.80-1.06x the avx512 auto path at 4
-// tokens, 0.89-1.08x at 6, 0.81-1.46x at 8 (ahead in 5 of 8 cases) and 1.11-2.68x from 16 (docs/kernels-measured.md).
+// tokens, 0.89-1.08x at 6, 0.81-1.46x at 8 (ahead in 5 of 8 cases) and 1.11-2.68x from 16
+// (docs/kernels-measured.md).
 constexpr int64_t kAmxMinTokens = 8;
 
 // Where the GEMV path's prefetch that reaches ahead (kPrefetchAheadBytes, kernels_simd_common.h) puts short rows

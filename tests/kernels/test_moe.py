@@ -48,8 +48,8 @@ def test_fused_moe_matches_float64(each_isa, fmt, dtype):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_short_row_prefetch_level_moves_no_result(each_isa, fmt):
     """Where the GEMV's far prefetch puts short rows (isa.short_row_prefetch: L1 or L2, by CPU) changes which
-    prefetch hints the tiles issue (at L2 two a line) and nothing else: at one and two tokens, with rows under 3 KB and more rows than
-    the prefetch reaches ahead, both levels give the same output bit for bit, matching float64."""
+    prefetch hints the tiles issue (at L2 two a line) and nothing else: at one and two tokens, with rows under 3 KB
+    and more rows than the prefetch reaches ahead, both levels give the same output bit for bit, matching float64."""
     gen = torch.Generator().manual_seed(seed(fmt, each_isa, "prefetch"))
     kwargs, exact = random_experts(fmt, 4, 512, 384, gen)
     moe = FusedMoE(**kwargs)
