@@ -117,7 +117,7 @@ inline void with_next_rows(I64 row_bytes, I64 tokens, I64 activation_bytes, bool
   const bool evicts =
       tokens >= l2_prefetch_min_tokens<V, G>() && activation_bytes + 2 * R * row_bytes > kL1PrefetchMaxBytes;
   if (far && l2 && row_bytes < kPrefetchL2MinBytes) return fn(NextRowsTag<NextRows::LinearL2Twice>{});
-  if (row_bytes >= kPrefetchL2MinBytes || evicts || (far && l2)) return fn(NextRowsTag<NextRows::LinearL2>{});
+  if (row_bytes >= kPrefetchL2MinBytes || evicts) return fn(NextRowsTag<NextRows::LinearL2>{});
   fn(NextRowsTag<NextRows::LinearL1>{});
 }
 
