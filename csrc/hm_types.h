@@ -116,7 +116,7 @@ constexpr int64_t kAmxMinTokens = 8;
 
 // Where the GEMV path's prefetch that reaches ahead (kPrefetchAheadBytes, kernels_simd_common.h) puts short rows
 // (under kPrefetchL2MinBytes) at one token (any tokens with bf16 dot products; not the float32 GEMV's 4-row tiles,
-// kernels_simd_float.h), which went to L1 before: into L1 (prefetcht0) or only into L2 (prefetcht1; since session 35
+// kernels_simd_float.h), which went to L1 before: into L1 (prefetcht0) or only into L2 (prefetcht1; since 2026-12-04
 // each line asked for twice, and the one-row tiles of long rows ask twice too: the Twice policies of NextRows,
 // kernels_simd_common.h). Longer rows, and several tokens whose activations would be evicted, go to L2 either way.
 // One setting for the process, read by the kernels at each matrix; cpu_features.h resolves it before the first
