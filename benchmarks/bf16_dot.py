@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from hybridmoe.bench.costmodel import last_level_cache_bytes
+from hybridmoe.profiling.timing import last_level_cache_bytes
 from hybridmoe.bench.kernels import _Bytes, _matrix
 from hybridmoe.kernels import isa
 from hybridmoe.kernels.moe import matmul

@@ -1,7 +1,8 @@
 """`hybridmoe bench costmodel` plumbing: the on-the-fly Qwen3-shaped checkpoint is a real Qwen3-MoE checkpoint
 (transformers loads it and agrees with our engine), the minimal-width copy keeps the architecture, and the
-bench writes one row per case whose prediction is recomputed from the tables it wrote. No timed assertions:
-whether predictions land within 15% is the bench's report, not a test."""
+bench writes one row per case whose prediction the planner's cost model recomputes from the op tables it wrote
+(whatever the CPU's roofline numbers). No timed assertions: whether predictions land within 15% is the bench's
+report, not a test."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import statistics
 import pytest
 import torch
 
-from hybridmoe.bench import costmodel as bench
-from hybridmoe.bench.costmodel import minimal_width_copy, qwen_shaped_model
+from hybridmoe.bench.predicted_vs_measured import PARTS, predict, qwen_shaped_model
 from hybridmoe.config import load_config
-from hybridmoe.placement.engine import COST_PARTS, EngineTables, predict_step
+from hybridmoe.placement.hardware import CpuSpec
+from hybridmoe.placement.op_tables import OpTables
+from hybridmoe.profiling import op_tables as bench
+from hybridmoe.profiling.op_tables import minimal_width_copy
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +83,7 @@ def test_bench_writes_a_row_per_case_predicted_from_the_tables_it_wrote(tiny_mod
         assert row["predicted_s"] > 0 and row["measured_s"] > 0 and math.isfinite(row["predicted_s"])
         assert row["ratio"] == pytest.approx(row["predicted_s"] / row["measured_s"])
         assert row["threads"] == 1 and len(row["load_average_1min"]) == 5 and len(row["rounds"]) == 2
-        assert set(row["predicted_parts_s"]) == set(COST_PARTS)
+        assert set(row["predicted_parts_s"]) == set(PARTS)
         assert sum(row["predicted_parts_s"].values()) == pytest.approx(row["predicted_s"])
         assert row["measured_s"] == pytest.approx(statistics.median(r["measured_s"] for r in row["rounds"]))
         label, case = row["name"].split(" ", 1)
@@ -88,8 +91,10 @@ def test_bench_writes_a_row_per_case_predicted_from_the_tables_it_wrote(tiny_mod
         config = load_config(next(m for m in models if m.name == label))
         again = []
         for written in tables[label]["rounds"]:
-            measured = EngineTables.from_json(written)
-            assert measured.threads == 1 and measured.compute_dtype in ("float32", "bfloat16")
-            again.append(predict_step(config, measured, kind, tokens, context, tables[label]["routing"][case]).seconds)
+            measured = OpTables.from_json(written)
+            assert measured.threads == 1 and measured.dtype in ("float32", "bfloat16")
+            cpu = CpuSpec("any", "", cores=1, memory_gb=1.0, memory_read_gbs=1.0, stream_efficiency=1.0,
+                          peak_tflops=1e-3, matmul_efficiency=1.0, decode_gweights_s={}, op_tables=measured)
+            again.append(predict(cpu, config, kind, tokens, context, tables[label]["routing"][case]).total_s)
         assert again == [r["predicted_s"] for r in row["rounds"]]
         assert row["predicted_s"] == sorted(again)[0]  # the lower median of two rounds

@@ -8,7 +8,7 @@ import pytest
 
 from hybridmoe.cli import main
 from hybridmoe.commands.plan import parse_size
-from hybridmoe.commands.profile import matmul_shapes
+from hybridmoe.profiling.machine import matmul_shapes
 
 
 def test_parse_size():
@@ -89,9 +89,12 @@ def test_matmul_shapes_reach_prefill_sizes_on_an_accelerator():
 
 @pytest.mark.slow
 def test_profile_then_plan_with_it(tmp_path, capsys):
-    """A quick measured profile of this machine loads, says what it measured, and plans a model."""
-    out = tmp_path / "profile.json"
-    assert main(["profile", "--quick", "--formats", "fp8", "--out", str(out)]) == 0
+    """A quick measured profile of this machine (with the engine's op tables for the demo model) loads, says what
+    it measured, and plans a model: the demo model from the op tables, another from the roofline."""
+    from hybridmoe.checkpoint.default_model import default_model_dir
+
+    out, demo = tmp_path / "profile.json", str(default_model_dir())
+    assert main(["profile", "--quick", "--formats", "fp8", "--model", demo, "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["kind"] == "machine" and data["version"] == 1
     assert data["expert_kernels"] and data["cpu"]["expert_table"]["fp8"][0][0] == 1
@@ -109,7 +112,11 @@ def test_profile_then_plan_with_it(tmp_path, capsys):
     capsys.readouterr()
     assert main(["plan", "--model", "qwen3-30b-a3b", "--vram", "4GB", "--profile", str(out),
                  "--experts", "fp8", "--context", "2048"]) == 0
-    assert "What goes where" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "What goes where" in printed and "op tables are for another model (it lacks matmul" in printed
+    assert data["cpu"]["op_tables"]["attention_shape"][0] == "mla"
+    assert main(["plan", "--model", demo, "--vram", "1GB", "--profile", str(out), "--context", "1024"]) == 0
+    assert "CPU pieces costed from this engine's op tables measured on this machine" in capsys.readouterr().out
 
 
 @pytest.mark.slow

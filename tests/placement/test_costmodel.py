@@ -9,7 +9,7 @@ import pytest
 
 from hybridmoe.placement import estimate
 from hybridmoe.placement.costmodel import CostModel, interpolate
-from hybridmoe.placement.formats import weight_format
+from hybridmoe.placement.format_sizes import weight_format
 from hybridmoe.placement.hardware import Machine, machine
 from hybridmoe.placement.modelspec import ModelSpec, resolve_model
 from hybridmoe.placement.passes import PassBuilder, Residency

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridmoe.placement.simulate import Simulation
+from hybridmoe.placement.what_if import Simulation
 
 FIELDS = ["model", "hardware", "gpus", "strategy", "weight_format", "prompt_tokens", "ttft_s", "prefill_tok_s",
           "decode_tok_s"]

@@ -48,9 +48,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.bench.costmodel import last_level_cache_bytes
 from hybridmoe.kernels import _native, formats, isa, numa
 from hybridmoe.kernels.moe import FusedMoE
+from hybridmoe.profiling.timing import last_level_cache_bytes
 
 SHAPES = {"deepseek-v3": (7168, 2048, 256, 8), "qwen3-30b-a3b": (2048, 768, 128, 8)}  # H, I, E, K
 TOKENS = (1, 4, 32, 256)

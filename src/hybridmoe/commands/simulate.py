@@ -32,7 +32,7 @@ def run(args) -> int:
     from hybridmoe.placement.hardware import ProfileError
     from hybridmoe.placement.planner import PlanError
     from hybridmoe.placement.report import format_comparison, format_records
-    from hybridmoe.placement.simulate import Simulation
+    from hybridmoe.placement.what_if import Simulation
 
     try:
         if args.paper:

@@ -6,6 +6,11 @@ table where the profile has one (tables win: they are this machine). CPU expert 
 unpacking each weight (FP8/INT4 -> fp32) once per call, which bounds GEMV speed on small CPUs, and a fixed
 dispatch cost per call.
 
+When the profile carries this engine's op tables for the model's shapes (placement/op_tables.py), every CPU
+piece is costed from them instead: each matmul of a part at its own shape, the engine's attention, its expert
+kernels, its elementwise passes and its host cost per step and layer. This is how the planner predicts our own
+engine's CPU steps (`hybridmoe bench costmodel` checks it against measured steps).
+
 The one fitted constant of the model lives here: FITTED_DISPATCH_US, the fixed cost of one call of the CPU
 expert kernels in a decode or hybrid step (thread wake-up across sockets, synchronisation with the
 accelerator), used for CPUs whose profile has no measured `dispatch_us`. It was fitted on exactly one
@@ -21,9 +26,10 @@ import math
 
 import numpy as np
 
-from hybridmoe.placement.formats import WeightFormat, weight_format
+from hybridmoe.placement.format_sizes import WeightFormat, weight_format
 from hybridmoe.placement.hardware import GpuSpec, Machine, ProfileError, Table
 from hybridmoe.placement.modelspec import ModelSpec
+from hybridmoe.placement.op_tables import OpTables
 from hybridmoe.placement.routing import RoutingStats
 
 # Fitted on the paper's 21.5 tok/s FP8 decode (DeepSeek-V3, one RTX 5090, dual-socket CPU) by
@@ -50,7 +56,7 @@ class CostModel:
                  attention_efficiency: float | None = None, dispatch_us: float | None = None):
         self.machine, self.spec = machine, spec
         self.cpu, self.gpu = machine.cpu, machine.gpu
-        self.expert_fmt: WeightFormat = weight_format(expert_format or spec.native_format)
+        self.expert_fmt: WeightFormat = weight_format(expert_format or spec.expert_format)
         self.dense_fmt: WeightFormat = weight_format(dense_format or spec.native_format)
         self.mla_form = mla_form
         moe_layers = tuple(l.index for l in spec.moe_layers)
@@ -67,6 +73,19 @@ class CostModel:
         self.dispatch_s = 1e-6 * (dispatch_us if dispatch_us is not None else
                                   self.cpu.dispatch_us if self.cpu.dispatch_us is not None else FITTED_DISPATCH_US)
         self._check_formats()
+        self.ops_missing = self._op_tables_missing()
+        # the profile's op tables when they cover this model in this expert format, else None (roofline)
+        self.ops: OpTables | None = self.cpu.op_tables if not self.ops_missing else None
+
+    def _op_tables_missing(self) -> list[str]:
+        """What the profile's op tables lack for this model (["no op tables"] without any)."""
+        ops, spec = self.cpu.op_tables, self.spec
+        if ops is None:
+            return ["no op tables"]
+        linear = {s for layer in spec.layers for part in ("attention", "router", "shared", "dense")
+                  for s in spec.part_matmuls(part, layer.index)} | set(spec.part_matmuls("lm_head"))
+        expert = (self.expert_fmt.name, spec.hidden, spec.expert_intermediate) if spec.moe_layers else None
+        return ops.missing_for(linear, set(spec.absorption_matmuls), spec.attention_shape, expert)
 
     def _check_formats(self) -> None:
         if self.gpu is not None:
@@ -182,10 +201,34 @@ class CostModel:
         unpack = weights / (rate * 1e9) if rate else 0.0
         return max(memory, unpack + work / (self.cpu.peak_tflops * 1e12 * self.cpu.matmul_efficiency))
 
+    def cpu_part_s(self, layer: int, part: str, tokens: float) -> float:
+        """A part of `layer` ("router", "shared", "dense", "lm_head") for `tokens` tokens on the CPU."""
+        if self.ops is not None:
+            return sum(self.ops.linear_s(rows, cols, tokens) for rows, cols in self.spec.part_matmuls(part, layer))
+        shape = self.spec.layers[layer]
+        if part == "lm_head":
+            return self.cpu_matmul_s(self.spec.lm_head or self.spec.embedding, tokens, self.dense_fmt)
+        weights = {"router": shape.router, "shared": shape.shared_experts, "dense": shape.dense_mlp}[part]
+        return self.cpu_matmul_s(weights, tokens, weight_format(ROUTER_FORMAT) if part == "router" else self.dense_fmt)
+
+    def cpu_host_s(self, kind: str, layer: int | None, tokens: float) -> float:
+        """What the op tables measured beyond the arithmetic (0 without them): the engine's host cost of a
+        step (layer None) or of one layer, plus that layer's elementwise passes; kind "decode" | "prefill"."""
+        if self.ops is None:
+            return 0.0
+        host = self.ops.host[kind]
+        if layer is None:
+            return host["step"]
+        shape = self.spec.layers[layer]
+        return (host["moe_layer" if shape.is_moe else "dense_layer"]
+                + self.ops.elementwise.above_floor(self.spec.elementwise_elements(tokens, layer)))
+
     def cpu_experts_s(self, experts: float, pairs: float, copying: bool = False) -> float:
         """Routed experts on the CPU kernels: `experts` distinct experts read, `pairs` (token, expert) pairs."""
         if experts <= 1e-9:
             return 0.0
+        if self.ops is not None:  # the call's fixed cost is in the host cost
+            return experts * self.ops.experts(pairs / experts) / (self.copy_slowdown() if copying else 1.0)
         w = self.spec.moe_layers[0].expert
         table = self.cpu.expert_table.get(self.expert_fmt.name)
         if table:  # measured weight-bytes/s of one call at T tokens per expert (dispatch included)
@@ -199,6 +242,11 @@ class CostModel:
 
     def cpu_attention_s(self, queries: int, context_before: int, sequences: int = 1) -> float:
         spec = self.spec
+        if self.ops is not None:  # the engine's form: MLA absorbed, projections batched over the sequences
+            tokens = queries * sequences
+            return (sum(self.ops.linear_s(rows, cols, tokens) for rows, cols in spec.attention_matmuls)
+                    + sum(self.ops.batched_s(shape, tokens) for shape in spec.absorption_matmuls)
+                    + sequences * self.ops.attention_s(queries, context_before))
         linear = spec.attention_linear_flops(queries, context_before, self.mla_form) * sequences
         pairs = spec.attention_pair_flops(queries, context_before, self.mla_form) * sequences
         matmul = self.cpu_matmul_s(spec.layers[0].attention, queries * sequences, self.dense_fmt, flops=linear)

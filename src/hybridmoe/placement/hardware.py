@@ -8,7 +8,8 @@ link, or a CPU with its memory); a measured profile holds both parts of this mac
 part plus an optional accelerator part and a GPU count (`machine("rtx5090,epyc-genoa-2s", gpus=2)`).
 
 Measured profiles may carry tables (throughput against tokens T or context length) that the cost model
-interpolates; reference profiles give rooflines (peak x efficiency).
+interpolates, and this engine's op tables for one model (op_tables.py); reference profiles give rooflines
+(peak x efficiency).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from hybridmoe.placement.op_tables import OpTables
 
 SCHEMA = "hybridmoe-hardware-profile"
 VERSION = 1
@@ -47,6 +50,7 @@ class CpuSpec:
     copy_slowdown: float | None = None  # CPU bandwidth left while PCIe copies run (None: derive)
     expert_table: dict[str, Table] = field(default_factory=dict)  # format -> (T, weight GB/s) measured
     attention_table: Table = ()  # (context, achieved TFLOP/s) measured
+    op_tables: OpTables | None = None  # this engine's op times for one model's shapes (op_tables.py)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
 
@@ -149,8 +153,18 @@ def _cpu(data: dict[str, Any], where: str, name: str, description: str, refs: fr
         peak_tflops=r.number("peak_tflops"), matmul_efficiency=r.number("matmul_efficiency"),
         decode_gweights_s=r.numbers("decode_gweights_s", {}),
         dispatch_us=r.number("dispatch_us", None), copy_slowdown=r.number("copy_slowdown", None),
-        expert_table=r.tables("expert_table"), attention_table=r.table("attention_table"))
+        expert_table=r.tables("expert_table"), attention_table=r.table("attention_table"),
+        op_tables=_op_tables(data, where))
     return CpuSpec(**cpu, sources=r.sources)
+
+
+def _op_tables(data: dict[str, Any], where: str) -> OpTables | None:
+    if "op_tables" not in data:
+        return None
+    try:
+        return OpTables.from_json(data["op_tables"], f"{where}.op_tables")
+    except ValueError as e:
+        raise ProfileError(str(e)) from None
 
 
 def _gpu(data: dict[str, Any], where: str, name: str, description: str, refs: frozenset[str]) -> GpuSpec:

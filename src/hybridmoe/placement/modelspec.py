@@ -107,6 +107,9 @@ class ModelSpec:
         self.lm_head = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
         self.final_norm = c.hidden_size
         self.native_format = "fp8" if c.quantization is not None else "bf16"
+        # routed experts as stored: quantised by `hybridmoe quantize`, FP8, or the checkpoint's float type
+        stored = {"float32": "fp32", "float16": "fp16"}.get(c.torch_dtype, self.native_format)
+        self.expert_format = c.expert_quantization.method if c.expert_quantization else stored
 
     # ---- weights -------------------------------------------------------------------------------------
     @functools.cached_property
@@ -204,3 +207,64 @@ class ModelSpec:
         pairs = min(chunk_tokens * (self.top_k if self.moe_layers else 1), MLP_BLOCK)
         return (chunk_tokens * self.hidden * 8 + self.attention_activation_bytes(chunk_tokens, keys, form)
                 + pairs * 2 * width * 2)
+
+    # ---- the matrices each part multiplies (the shapes an engine's measured op tables are read at) ------
+    @functools.cached_property
+    def attention_matmuls(self) -> tuple[tuple[int, int], ...]:
+        """(rows, cols) of every projection a query goes through in one attention half (MLA: absorbed form,
+        kv_b_proj enters through `absorption_matmuls` instead)."""
+        a, H = self.config.attention, self.hidden
+        if a.kind != "mla":
+            q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+            return ((q, H), (kv, H), (kv, H), (H, q))
+        n, qk = a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim
+        q = ((n * qk, H),) if a.q_lora_rank is None else ((a.q_lora_rank, H), (n * qk, a.q_lora_rank))
+        return q + ((a.kv_lora_rank + a.qk_rope_head_dim, H), (H, n * a.v_head_dim))
+
+    @functools.cached_property
+    def absorption_matmuls(self) -> tuple[tuple[int, int, int], ...]:
+        """(heads, rows, cols) of MLA's two absorbed products per query: q_nope through W_uk into the latent,
+        the attended latent through W_uv (empty for GQA)."""
+        a = self.config.attention
+        if a.kind != "mla":
+            return ()
+        return ((a.num_heads, a.kv_lora_rank, a.qk_nope_head_dim), (a.num_heads, a.v_head_dim, a.kv_lora_rank))
+
+    def part_matmuls(self, part: str, layer: int = 0) -> tuple[tuple[int, int], ...]:
+        """(rows, cols) of the weights one token goes through in a part of `layer`: "attention", "router",
+        "shared", "dense" (gate, up, down) or "lm_head"."""
+        H, shape = self.hidden, self.layers[layer]
+        if part == "attention":
+            return self.attention_matmuls
+        if part == "lm_head":
+            return ((self.config.vocab_size, H),)
+        if part == "router":
+            return ((self.num_experts, H),) if shape.is_moe else ()
+        width = {"shared": shape.shared_experts, "dense": shape.dense_mlp}[part] // (3 * H)
+        return ((width, H), (width, H), (H, width)) if width else ()
+
+    @functools.cached_property
+    def attention_shape(self) -> tuple:
+        """What the cost of one sequence's context attention depends on besides its lengths: (kind, heads,
+        cached heads, key dim, value dim, sliding window or 0); MLA attends in the latent space."""
+        a = self.config.attention
+        if a.kind == "mla":
+            return ("mla", a.num_heads, 1, a.kv_lora_rank + a.qk_rope_head_dim, a.kv_lora_rank, 0)
+        return ("gqa", a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim, a.sliding_window or 0)
+
+    def elementwise_elements(self, tokens: float, layer: int) -> float:
+        """Elements one layer's elementwise passes touch for `tokens` tokens: two RMSNorms (4 passes each) and
+        two residual adds over the hidden state, rope and the cache write over q/k (and q/k norms, MLA's latent
+        norms and concatenations), the router's scoring over the experts, the gated activation of dense and
+        shared MLPs. Routed experts' activations are inside the expert kernels."""
+        a, H, shape = self.config.attention, self.hidden, self.layers[layer]
+        if a.kind == "mla":
+            n, lat, r = a.num_heads, a.kv_lora_rank, a.qk_rope_head_dim
+            attention = 4 * (n + 1) * r + 4 * (lat + (a.q_lora_rank or 0)) + 2 * (lat + r) + n * (lat + r) \
+                + n * a.v_head_dim
+        else:
+            heads = (a.num_heads + a.num_kv_heads) * a.head_dim
+            attention = 4 * heads + (4 * heads if a.qk_norm else 0) + 2 * a.num_kv_heads * a.head_dim
+        mlp = 2 * (shape.shared_experts + shape.dense_mlp) // (3 * H)
+        router = (5 if self.config.moe.topk_method == "noaux_tc" else 2) * shape.num_experts
+        return tokens * (10 * H + attention + mlp + router + (H if shape.shared_experts else 0))

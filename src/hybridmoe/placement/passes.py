@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hybridmoe.placement.costmodel import ROUTER_FORMAT, CostModel
-from hybridmoe.placement.formats import weight_format
+from hybridmoe.placement.format_sizes import weight_format
 from hybridmoe.placement.schedule import Unit
 
 STRATEGIES = ("cpu", "hybrid", "slp")
@@ -112,10 +112,16 @@ class PassBuilder:
 
     def _dense_part_s(self, layer: int, part: str, tokens: float, on_gpu: bool) -> float:
         c = self.cost
+        if not on_gpu:
+            return c.cpu_part_s(layer, part, tokens)
         shape = self.spec.layers[layer]
         weights = {"router": shape.router, "shared": shape.shared_experts, "dense": shape.dense_mlp}[part]
-        fmt = c.dense_fmt if part != "router" else weight_format(ROUTER_FORMAT)
-        return c.gpu_matmul_s(weights, tokens, fmt) if on_gpu else c.cpu_matmul_s(weights, tokens, fmt)
+        return c.gpu_matmul_s(weights, tokens, c.dense_fmt if part != "router" else weight_format(ROUTER_FORMAT))
+
+    def _host_units(self, kind: str, layer: int | None, tokens: float) -> list[Unit]:
+        """The engine's own host cost of a step or a layer run on the CPU, where the profile measured it."""
+        seconds = self.cost.cpu_host_s(kind, layer, tokens)
+        return [Unit("host", -1 if layer is None else layer, cpu_s=seconds)] if seconds else []
 
     # ---- decode ----------------------------------------------------------------------------------------
     def decode_units(self, batch: int, context: int, experts_on: str = "cpu") -> tuple[list[Unit], dict]:
@@ -126,8 +132,12 @@ class PassBuilder:
         gpu = c.gpu is not None
         if gpu:
             units.append(Unit("embed", -1, handoff_s=c.h2d_s(c.activations_bytes(batch))))
+        else:
+            units += self._host_units("decode", None, batch)
         for shape in spec.layers:
             l = shape.index
+            if not gpu:
+                units += self._host_units("decode", l, batch)
             unit, where[f"attention.{l}"] = self.attention_unit(l, 1, context, batch, on_cpu=not gpu)
             units.append(unit)
             if not shape.is_moe:
@@ -181,7 +191,7 @@ class PassBuilder:
         weights = self.spec.lm_head or self.spec.embedding
         if c.gpu is not None and self.res.lm_head:
             return Unit("lm_head", len(self.spec.layers), gpu_s=c.gpu_matmul_s(weights, tokens, c.dense_fmt))
-        return Unit("lm_head", len(self.spec.layers), cpu_s=c.cpu_matmul_s(weights, tokens, c.dense_fmt))
+        return Unit("lm_head", len(self.spec.layers), cpu_s=c.cpu_part_s(0, "lm_head", tokens))
 
     # ---- prefill ---------------------------------------------------------------------------------------
     def prefill_units(self, strategy: str, chunk: int, offset: int, last: bool, gpus: int = 1,
@@ -198,10 +208,13 @@ class PassBuilder:
             raise ValueError(f"strategy {strategy!r} needs an accelerator; machine {c.machine.name} has none")
         on_cpu = strategy == "cpu"
         share = 1.0 / gpus if parallel == "tokens" else 1.0
-        units = [] if on_cpu else [Unit("embed", -1, handoff_s=c.h2d_s(c.activations_bytes(chunk)))]
+        units = (self._host_units("prefill", None, chunk) if on_cpu else
+                 [Unit("embed", -1, handoff_s=c.h2d_s(c.activations_bytes(chunk)))])
         slot = slot_bytes or default_slot_bytes(c)
         for shape in spec.layers:
             l = shape.index
+            if on_cpu:
+                units += self._host_units("prefill", l, chunk)
             units.append(self.attention_unit(l, chunk, offset, 1, on_cpu, share)[0])
             if not shape.is_moe:
                 units.append(self._dense_prefill_unit(l, chunk, on_cpu, share))

@@ -219,6 +219,11 @@ class Planner:
                  for p in REPORT_PROMPTS if p > self.context]
         if not cost.routing.measured and spec.moe_layers:
             notes.append("routing statistics: uniform (none measured); hot experts are an arbitrary pick")
+        if cost.ops is not None:
+            notes.append("CPU pieces costed from this engine's op tables measured on this machine")
+        elif cost.cpu.op_tables is not None:
+            notes.append("the profile's op tables are for another model (it lacks "
+                         f"{'; '.join(cost.ops_missing[:3])}): CPU pieces costed from the roofline")
         return Plan(spec.name, self.machine.name, cost.expert_fmt.name, cost.dense_fmt.name, self.budget,
                     self.context, self.concurrency, tuple(self.items), self.residency, tiers, prefill, crossover,
                     self.slp_free, cost.routing.measured, tuple(notes))

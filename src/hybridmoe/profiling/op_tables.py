@@ -1,0 +1,283 @@
+"""This engine's op tables on this machine (placement/op_tables.py): each op timed as it runs inside the engine.
+
+For one model (loaded into the engine in its default compute dtype), `measure_op_tables` times: a matmul at each
+weight shape the model's parts multiply against tokens (weights rotated through as many bytes as the model's
+weights hold, at most twice the last-level cache, so they come from where the engine finds them) and the fixed
+cost of a 16x16 one; MLA's absorption einsums on the engine's strided views of kv_b_proj; the engine's paged-cache
+attention at the model's head shape (decode against context, prefill against chunk length); the engine's
+expert kernels per active expert against tokens per expert (the model's own weights, rotated cold); elementwise
+ops against element count; and the engine's host cost on a minimal-width copy of the same architecture (head,
+expert and layer counts kept). Ops run right after a step of the engine on that copy (OpTimer).
+
+Legend: T tokens, C context, H hidden, E experts, K top-k, I expert intermediate, N heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from hybridmoe.placement.modelspec import ModelSpec
+from hybridmoe.placement.op_tables import OpTables, SecondsTable
+from hybridmoe.profiling.timing import OpTimer, last_level_cache_bytes, median_s, rotating
+
+BLOCK = 16
+# Measurement grids: token and element counts in powers of 4 (a case falls between points and is
+# interpolated); attention, whose cost bends where its score matrices leave the caches, in powers of 2.
+LINEAR_TOKENS = (1, 4, 16, 64, 256, 1024)
+LINEAR_MAX_FLOPS = 2e10  # a matmul is timed at token counts up to this much work (beyond: proportional)
+ELEMENTS = tuple(4**i for i in range(3, 12))  # 64 .. 4M
+DECODE_CONTEXTS = tuple(2**i for i in range(2, 13))  # 4 .. 4096
+PREFILL_TOKENS = tuple(2**i for i in range(2, 11))  # 4 .. 1024
+EXPERT_TOKENS = (1, 4, 16, 64, 256)
+EXPERT_CALL_FLOPS = 4e9  # work per measured expert-kernel call: fewer experts per call at many tokens each
+HOST_DECODE_CONTEXT, HOST_PREFILL_TOKENS = 16, 16  # where the minimal-width engine is timed
+TINY_WIDTH = 32  # every width of the minimal-width copy (head dims 16)
+KERNEL_FORMATS = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "fp8": "fp8", "int4": "int4", "int8": "int8"}
+
+
+WIDTH_KEYS = {"hidden_size": TINY_WIDTH, "intermediate_size": TINY_WIDTH, "moe_intermediate_size": TINY_WIDTH,
+              "head_dim": 16, "kv_lora_rank": TINY_WIDTH, "q_lora_rank": TINY_WIDTH, "qk_nope_head_dim": 16,
+              "qk_rope_head_dim": 16, "v_head_dim": 16, "vocab_size": 320}
+DROPPED_KEYS = ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "auto_map",
+                "quantization_config", "bos_token_id", "eos_token_id", "pad_token_id", "qk_head_dim")
+
+
+def minimal_width_copy(model_dir: Path, out: Path) -> Path:
+    """The same architecture (layer kinds, head, expert and top-k counts, routing) with every width cut to
+    TINY_WIDTH (head dims 16), random weights stored in the model's dtype: where the engine's host cost shows."""
+    from transformers.utils import logging
+
+    from hybridmoe.checkpoint.synthetic import save_tiny_model
+
+    logging.disable_progress_bar()
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    params = {k: v for k, v in raw.items() if k not in DROPPED_KEYS}
+    params.update({k: min(v, raw[k]) for k, v in WIDTH_KEYS.items() if raw.get(k) is not None})
+    stored = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(raw.get("torch_dtype", raw.get("dtype")),
+                                                                        torch.float32)
+    return save_tiny_model(out, raw["model_type"], seed=0, dtype=stored, **params)
+
+
+def measure_linear(timer: OpTimer, shapes: list[tuple[int, int]], dtype: torch.dtype,
+                   pool_bytes: int) -> tuple[dict[tuple[int, int], SecondsTable], float]:
+    """Seconds of F.linear(x [T, cols], W [rows, cols]) for each weight shape against LINEAR_TOKENS (those
+    within LINEAR_MAX_FLOPS), each call with the next weights of a pool of `pool_bytes` of copies (or one, if
+    larger). Also the fixed cost of one call (a 16x16 weight, one token)."""
+    pool = torch.randn(max(pool_bytes, 1) // dtype.itemsize, dtype=dtype)
+    tables = {}
+    for rows, cols in shapes:
+        size = rows * cols
+        weights = ([pool[k * size:(k + 1) * size].view(rows, cols) for k in range(pool.numel() // size)]
+                   or [torch.randn(rows, cols, dtype=dtype)])
+        tokens = [t for t in LINEAR_TOKENS if t == 1 or 2 * size * t <= LINEAR_MAX_FLOPS]
+        seconds = []
+        for t in tokens:
+            x = torch.randn(t, cols, dtype=dtype)
+            seconds.append(timer.median_s(rotating(weights, lambda w: torch.nn.functional.linear(x, w))))
+        tables[(rows, cols)] = SecondsTable(tuple(tokens), tuple(seconds))
+    x, w = torch.randn(1, 16, dtype=dtype), torch.randn(16, 16, dtype=dtype)
+    return tables, timer.median_s(lambda: torch.nn.functional.linear(x, w), min_repeats=20)
+
+
+def measure_einsums(timer: OpTimer, config, dtype: torch.dtype) -> dict[tuple[int, int, int], SecondsTable]:
+    """Seconds of the engine's two MLA absorption einsums (layers/attention_mla.py) against LINEAR_TOKENS, at
+    the model's shapes, the operands laid out as the engine lays them out (q's no-rope half of [T, N, P+R];
+    W_uk and W_uv strided views of kv_b_proj). Empty for other attention."""
+    a = config.attention
+    if a.kind != "mla":
+        return {}
+    N, P, R, V, L = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
+    kv_b = torch.randn(N * (P + V), L, dtype=dtype).view(N, P + V, L)
+    cases = (((N, L, P), "tnp,npl->tnl", lambda t: torch.randn(t, N, P + R, dtype=dtype)[..., :P], kv_b[:, :P]),
+             ((N, V, L), "tnl,nvl->tnv", lambda t: torch.randn(t, N, L, dtype=dtype), kv_b[:, P:]))
+    tables = {}
+    for key, equation, make_x, w in cases:
+        tokens = [t for t in LINEAR_TOKENS if t == 1 or 2 * N * key[1] * key[2] * t <= LINEAR_MAX_FLOPS]
+        seconds = []
+        for t in tokens:
+            x = make_x(t)
+            seconds.append(timer.median_s(lambda: torch.einsum(equation, x, w)))
+        tables[key] = SecondsTable(tuple(tokens), tuple(seconds))
+    return tables
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights one step of `model` may read (everything but the embedding table)."""
+    from hybridmoe.layers.moe.block import MoEBlock
+
+    def tensors(obj) -> int:
+        return sum(v.nbytes for v in vars(obj).values() if isinstance(v, torch.Tensor))
+
+    total = model.lm_head.nbytes + model.norm.nbytes
+    for layer in model.layers:
+        total += tensors(layer.attention.w) + layer.input_norm.nbytes + layer.post_attention_norm.nbytes
+        if isinstance(layer.mlp, MoEBlock):
+            total += layer.mlp.router.weight.nbytes + layer.mlp.experts.moe.nbytes
+            total += tensors(layer.mlp.shared) if layer.mlp.shared is not None else 0
+        else:
+            total += tensors(layer.mlp)
+    return total
+
+
+def measure_elementwise(timer: OpTimer, dtype: torch.dtype) -> SecondsTable:
+    """Seconds of one elementwise product (a new tensor, as the engine's ops make) against element count. The
+    bench times it without a step in between: the engine's elementwise ops read activations just written."""
+    seconds = []
+    for n in ELEMENTS:
+        a, b = torch.randn(n, dtype=dtype), torch.randn(n, dtype=dtype)
+        seconds.append(timer.median_s(lambda: a * b))
+    return SecondsTable(ELEMENTS, tuple(seconds))
+
+
+def measure_attention(timer: OpTimer, config, dtype: torch.dtype) -> tuple[SecondsTable, SecondsTable]:
+    """The engine's context attention of one sequence (paged-cache gather + attend + output copy, as in
+    layers/attention_*.py) at the model's head shape: (one query against C keys, a chunk of T queries from 0)."""
+    from hybridmoe.layers.paged_attention import attend, gather_context
+
+    a = config.attention
+    if a.kind == "mla":  # one shared latent "head": keys are latent + rope key, values the latent
+        heads, kv_heads, key_dim, value_dim, window = a.num_heads, 1, a.kv_lora_rank + a.qk_rope_head_dim, \
+            a.kv_lora_rank, None
+    else:
+        heads, kv_heads, key_dim, value_dim, window = a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim, \
+            a.sliding_window
+    blocks = -(-max(DECODE_CONTEXTS + PREFILL_TOKENS) // BLOCK)
+    table = torch.arange(blocks)
+    cache = torch.randn(2, blocks, BLOCK, kv_heads, key_dim, dtype=dtype)
+
+    def call(queries: int, context: int):
+        q = torch.randn(queries, heads, key_dim, dtype=dtype)
+        out = torch.empty(queries, heads, value_dim, dtype=dtype)
+
+        def body():
+            k = gather_context(cache[0], table, context)  # [C, Nk, D]
+            v = k[..., :value_dim] if a.kind == "mla" else gather_context(cache[1], table, context)
+            out[0:queries] = attend(q, k, v, a.softmax_scale, window)
+        return timer.median_s(body)
+
+    decode = [call(1, c) for c in DECODE_CONTEXTS]
+    prefill = [call(t, t) for t in PREFILL_TOKENS]
+    return SecondsTable(DECODE_CONTEXTS, tuple(decode)), SecondsTable(PREFILL_TOKENS, tuple(prefill))
+
+
+def measure_experts(timer: OpTimer, moe, top_k: int, dtype: torch.dtype) -> SecondsTable:
+    """Seconds per active expert of one call of a layer's expert kernels (`moe`: the engine's FusedMoE, its
+    own weights) against tokens per expert: each call routes tokens to top_k of n experts so that every one of
+    them gets t tokens, the n experts rotate between calls (cold, as in a model), and the fixed cost of a call
+    (a 16x16 expert, one token) is left out."""
+    from hybridmoe.kernels.moe import FusedMoE
+
+    tiny = FusedMoE("f32", [torch.randn(16, 16)], [torch.randn(16, 16)], [torch.randn(16, 16)],
+                    hidden_size=16, intermediate_size=16)
+    one, x1, w1 = torch.zeros(1, 1, dtype=torch.int64), torch.randn(1, 16), torch.ones(1, 1)
+    fixed = timer.median_s(lambda: tiny(x1, one, w1), min_repeats=20)
+    E, H, I = moe.num_experts, moe.hidden_size, moe.intermediate_size
+    per_expert = []
+    for t in EXPERT_TOKENS:
+        n = int(min(E, max(1, EXPERT_CALL_FLOPS // (6 * H * I * t))))
+        n = max(top_k, n // top_k * top_k)  # every token's top_k experts distinct, every expert t tokens
+        x = torch.randn(n * t // top_k, H, dtype=dtype)
+        weights = torch.full((n * t // top_k, top_k), 1.0 / top_k)
+        pairs = torch.arange(n * t) % n  # [n*t] expert of each (token, slot), t of each
+        ids = [((pairs + offset) % E).view(-1, top_k) for offset in range(0, E, n)]  # [n*t/K, K] per rotation
+        seconds = timer.median_s(rotating(ids, lambda i: moe(x, i, weights)), budget_s=0.3)
+        per_expert.append(max(1e-9, (seconds - fixed) / n))
+    return SecondsTable(EXPERT_TOKENS, tuple(per_expert))
+
+
+def measure_host(model) -> dict[str, dict[str, float]]:
+    """The engine's step time on `model` (a minimal-width copy, see minimal_width_copy) with no layers, only its
+    dense layers and only its MoE layers: host cost per step and per layer kind, for decode and prefill."""
+    from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
+
+    runner = ModelRunner(model, 4, BLOCK)
+    table = list(range(4))
+    tokens = list(range(3, 3 + HOST_PREFILL_TOKENS))
+    layers = model.layers
+    kinds = {"dense_layer": [l for l, moe in zip(layers, model.config.moe_layers) if not moe],
+             "moe_layer": [l for l, moe in zip(layers, model.config.moe_layers) if moe]}
+    steps = {"decode": lambda: runner.forward([SequenceChunk(tokens[:1], HOST_DECODE_CONTEXT, table)]),
+             "prefill": lambda: runner.forward([SequenceChunk(tokens, 0, table)])}
+    host: dict[str, dict[str, float]] = {}
+    try:
+        with torch.inference_mode():
+            runner.forward([SequenceChunk(tokens, 0, table)])  # fill the cache the decode step reads
+            for kind, step in steps.items():
+                model.layers = []
+                base = median_s(step, min_repeats=30, budget_s=0.3)
+                host[kind] = {"step": base}
+                for part, subset in kinds.items():
+                    model.layers = subset
+                    host[kind][part] = (median_s(step, min_repeats=30, budget_s=0.3) - base) / len(subset) \
+                        if subset else 0.0
+    finally:
+        model.layers = layers
+    return host
+
+
+def model_matmuls(spec: ModelSpec) -> list[tuple[int, int]]:
+    """Every (rows, cols) weight shape the model's parts multiply (ModelSpec.part_matmuls), once each."""
+    shapes = {s for layer in spec.layers for part in ("attention", "router", "shared", "dense")
+              for s in spec.part_matmuls(part, layer.index)}
+    return sorted(shapes | set(spec.part_matmuls("lm_head")))
+
+
+class OpTableBench:
+    """One model loaded into the engine and its minimal-width copy (its host cost), ready to measure the model's
+    op tables any number of times (`measure`)."""
+
+    def __init__(self, model, model_dir: Path, scratch: Path):
+        from hybridmoe.models.loader import load_model
+        from hybridmoe.runtime.model_runner import ModelRunner
+
+        self.model = model
+        self.tiny = load_model(minimal_width_copy(model_dir, scratch), "auto", "cpu", show_progress=False)
+        self.tiny_runner = ModelRunner(self.tiny, 4, BLOCK)
+
+    def between(self) -> None:
+        """A prefill step of HOST_PREFILL_TOKENS tokens on the minimal-width copy (what OpTimer runs between
+        timed calls)."""
+        from hybridmoe.runtime.model_runner import SequenceChunk
+
+        with torch.inference_mode():
+            self.tiny_runner.forward([SequenceChunk(list(range(3, 3 + HOST_PREFILL_TOKENS)), 0, [0, 1, 2, 3])])
+
+    def measure(self) -> OpTables:
+        """Every table the cost model reads for this model, on this machine, now."""
+        from hybridmoe.layers.moe.block import MoEBlock
+
+        model, timer = self.model, OpTimer(self.between)
+        dtype, spec = model.dtype, ModelSpec(model.config)
+        pool = min(weight_bytes(model), 2 * last_level_cache_bytes())
+        linear, floor = measure_linear(timer, model_matmuls(spec), dtype, pool)
+        decode, prefill = measure_attention(timer, model.config, dtype)
+        moe = next((l.mlp.experts.moe for l in model.layers if isinstance(l.mlp, MoEBlock)), None)
+        if moe is None:
+            raise ValueError(f"{model.config.source}: op tables are measured for MoE models (no MoE layer found)")
+        return OpTables(
+            linear=linear, linear_floor_s=floor, batched=measure_einsums(timer, model.config, dtype),
+            elementwise=measure_elementwise(OpTimer(lambda: None), dtype), attention_shape=spec.attention_shape,
+            attention_decode=decode, attention_prefill=prefill,
+            expert_shape=(KERNEL_FORMATS[moe.fmt], moe.hidden_size, moe.intermediate_size),
+            experts=measure_experts(timer, moe, model.config.moe.num_experts_per_tok, dtype),
+            host=measure_host(self.tiny), threads=torch.get_num_threads(), dtype=str(dtype).removeprefix("torch."),
+            notes={"ops": "matmul, einsum, attention and expert calls timed right after a step of the engine on "
+                          "the minimal-width copy; elementwise ops back to back",
+                   "linear": f"F.linear at the model's weight shapes, weights rotated through {pool >> 20} MiB",
+                   "attention": "the engine's paged-cache gather + attend at the model's head shape",
+                   "experts": f"the engine's FusedMoE ({moe.fmt}, H={moe.hidden_size}, I={moe.intermediate_size}), "
+                              "seconds per active expert",
+                   "host": f"the engine on a copy of the architecture at width {TINY_WIDTH}"})
+
+
+def measure_op_tables(model_dir: str | Path) -> OpTables:
+    """Load the model into the engine (default compute dtype, C++ expert kernels) and measure its op tables."""
+    from hybridmoe.models.loader import load_model
+
+    model = load_model(model_dir, "auto", "cpu", show_progress=False)
+    with tempfile.TemporaryDirectory() as scratch:
+        return OpTableBench(model, Path(model_dir), Path(scratch) / "minimal-width").measure()
