@@ -98,10 +98,8 @@ std::vector<std::pair<std::string, bool>> cpu_feature_list() {
 
 std::vector<std::string> isa_names() { return {"amx", "avx512bf16", "avx512", "avx2", "avx2bf16", "scalar"}; }
 
-// avx2bf16 (an emulation) runs only when forced. avx512bf16 is chosen by itself on AMD CPUs: on Zen 4 its bf16
-// dot products (from bf16_dot_min_tokens tokens per expert) ran the MoE 1.1-1.8x as fast as avx512 at DeepSeek-V3 / Qwen3
-// shapes for bf16 weights and fp8 from T = 32, while on a Xeon (Emerald Rapids) it measured 0.82-1.10x
-// (docs/kernels.md).
+// avx2bf16 (an emulation) runs only when forced. avx512bf16 is chosen by itself on AMD CPUs only: on Zen 4 its bf16
+// dot products ran the MoE well ahead of avx512, on an Emerald Rapids Xeon no faster (docs/kernels.md).
 bool isa_auto_selected(const std::string& name) {
   if (name == "avx2bf16") return false;
   return name != "avx512bf16" || cpu_features().amd;

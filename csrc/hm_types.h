@@ -72,9 +72,8 @@ enum class MatmulPath : int { Auto = 0, Gemv = 1, Gemm = 2 };
 
 // Tokens per expert from which the tiled GEMM path (K blocked for the caches) replaces the GEMV path (whole rows,
 // the next rows prefetched), by format, where the GEMM path measured faster at DeepSeek-V3 and Qwen3-30B-A3B
-// expert shapes (AVX2 on Zen 4; docs/kernels.md): fp8 from 13-16 tokens (its GEMV decodes each weight again
-// for every 3 tokens, 3 operations a vector); the other float formats (decode: one shift) from 64-128; the int
-// formats (int8 dot products on whole rows against K chunks of 1,024) from 128-256 or more.
+// expert shapes: fp8's GEMV decodes each weight again for every 3 tokens at 3 operations a vector; the other float
+// formats decode with one shift; the int GEMV works whole rows (docs/kernels.md, "Which path").
 constexpr int64_t kGemmMinTokensFp8 = 13;
 constexpr int64_t kGemmMinTokensFloat = 64;
 constexpr int64_t kGemmMinTokensInt = 192;
@@ -82,17 +81,9 @@ constexpr int64_t kMaxGemvTokens = kGemmMinTokensFloat - 1;  // the most tokens 
 
 // With bf16 dot products (KernelTable::bf16_dot) bf16 and fp8 weights stay on the GEMV path up to
 // kMaxGemvTokens, the bf16 dot-product tiles' range (kernels_simd_bf16.h), from bf16_dot_min_tokens tokens per
-// expert; fewer take the float32 GEMV. Measured on Zen 4 (benchmarks/bf16_dot.py, one DeepSeek-V3 gate matrix,
-// bf16 dot / float32, 1 and 2 threads, rows in cache and from memory), once the tiles' accumulators stayed in
-// registers (session 14): fp8 1.09-1.43x at 2 tokens, 1.15-1.42x at 3, 1.34-2.06x at 4, but at 1 token 0.94x
-// with both threads from memory (1.23-1.32x otherwise); bf16 0.92-1.23x at 1, 1.01-1.17x at 2, 0.98-1.08x at 3,
-// 1.15-1.31x at 4. (Session 13, before: fp8 0.91-1.0x at 1-2 tokens, 1.17x at 3.)
-// Session 15 (Zen 4, benchmarks/gemv_ab.sh, one thread, bf16 dot / float32 at one token): with their weights in
-// cache the float32 GEMV reads fp8 at 21-23 GB/s, bound by its decode (16 codes per widening load, shift, and and
-// FMA), the bf16 dot products at 39-47 (32 codes); from memory fp8 rows of 0.75-7 KB 1.00-1.10x once the
-// single-token tile kept two sets of accumulators (with one set, 0.59-0.79x for 0.75 KB rows), so fp8 takes them
-// from one token. bf16 rows of kBf16DotLongRowBytes and more too (4-14 KB rows from memory 1.08-1.25x); shorter
-// bf16 rows lost (1.5 KB: 0.85-0.98x from memory, 1.45x in cache).
+// expert; fewer take the float32 GEMV. fp8 gains from one token (the float32 GEMV is bound by its decode, and
+// vdpbf16ps takes twice the codes an instruction); short bf16 rows only from 4 tokens, since at fewer the reads,
+// not the arithmetic, limit them (docs/kernels.md, "Which path").
 constexpr int64_t kBf16DotMinTokensFp8 = 1;
 constexpr int64_t kBf16DotMinTokensBf16 = 4;
 constexpr int64_t kBf16DotLongRowBytes = 4 << 10;
@@ -108,28 +99,18 @@ static inline int64_t bf16_dot_min_tokens(WFormat f, int64_t row_bytes) {
 }
 
 // Tokens per expert from which the amx table multiplies bf16 and fp8 weights by AMX tiles (kernels_amx.h) on the
-// auto path; fewer take the avx512 float32 GEMV. On a lent 16-core Emerald Rapids (2026-12-04, one 2048 x 7168
-// matrix, 1 and 16 threads, rows in cache and from memory) the tiles ran at 0.80-1.06x the avx512 auto path at 4
-// tokens, 0.89-1.08x at 6, 0.81-1.46x at 8 (ahead in 5 of 8 cases) and 1.11-2.68x from 16
-// (docs/kernels-measured.md).
+// auto path; fewer take the avx512 float32 GEMV, which measured faster below 8 tokens (docs/benchmarks.md).
 constexpr int64_t kAmxMinTokens = 8;
 
 // Where the GEMV path's prefetch that reaches ahead (kPrefetchAheadBytes, kernels_simd_common.h) puts short rows
 // (under kPrefetchL2MinBytes) at one token (any tokens with bf16 dot products; not the float32 GEMV's 4-row tiles,
-// kernels_simd_float.h), which went to L1 before: into L1 (prefetcht0) or only into L2 (prefetcht1; since 2026-12-04
-// each line asked for twice, and the one-row tiles of long rows ask twice too: the Twice policies of NextRows,
-// kernels_simd_common.h). Longer rows, and several tokens whose activations would be evicted, go to L2 either way.
+// kernels_simd_float.h): into L1 (prefetcht0) or only into L2 (prefetcht1, each line asked for twice: the Twice
+// policies of NextRows, kernels_simd_common.h). Longer rows, and several tokens whose activations would be
+// evicted, go to L2 either way. L2 pays on AMD Zen 4, where prefetches into L1 hold the core's L1 miss buffers for
+// a whole memory latency and the arithmetic and the reads take turns; elsewhere L1 (docs/kernels.md, "Prefetch").
 // One setting for the process, read by the kernels at each matrix; cpu_features.h resolves it before the first
-// kernel runs (short_row_prefetch: HYBRIDMOE_SHORT_ROW_PREFETCH, else this CPU's default). On Zen 4 (2026-12-04,
-// benchmarks/gemv_ab.sh, rows from memory on huge pages, L2 against L1): fp8 768 x 2048 at one token 1.43-1.73x on
-// one thread (16 -> 24-28.5 GB/s against a plain read's 29-33: with L1 the GEMV had read at about 1 / (1 / its
-// in-cache rate + 1 / the read's), its arithmetic and its reads taking turns), 1.26x on two; bf16 2048 x 768
-// 1.22-1.51x; int4 1.05-1.40x; int8 0.92-1.17x. The MoE (2 threads, in-process A/B): Qwen3-30B-A3B fp8 T = 1 1.45x
-// with the probe at 60-67 GB/s (1.16x at 27-36), T = 4 1.18-1.38x; int4, int8, bf16 1.02-1.09x; DeepSeek-V3 fp8
-// 1.08-1.12x, int4 0.97-0.99x, int8 and bf16 0.99-1.01x. Zen 3 had read 0.97-1.01x with T1 hints on the next tile
-// (before the far prefetch); a lent 16-core Xeon (Emerald Rapids, 2026-12-04, the MoE on 16 threads, in-process A/B)
-// 0.97-1.03x in every case, and keeps L1; Zen 5 is not measured with it and keeps L1. Unresolved until
-// cpu_features.h resolves it; the kernels take anything but L2 as L1.
+// kernel runs (short_row_prefetch: HYBRIDMOE_SHORT_ROW_PREFETCH, else this CPU's default). Unresolved until then;
+// the kernels take anything but L2 as L1.
 enum class PrefetchLevel : int { Unresolved = 0, L1 = 1, L2 = 2 };
 inline std::atomic<PrefetchLevel> g_short_row_prefetch{PrefetchLevel::Unresolved};
 

@@ -49,9 +49,7 @@ inline bool scale_activations_bf16(const Matrix& w, const float* srow, const Act
     return scale_activations(w, srow, x, unscale, dst, ld, rows);
   } else {
     const I64 bc = srow ? w.block_cols : w.cols;
-    // a call per row: against a call per 128-column block, Zen 5, one thread, fp8 rows in L2: 1.06x for 16 rows
-    // x 2048 columns at 8 tokens; the MoE at Qwen3-30B-A3B shapes, T = 256: 1.015-1.03x (DeepSeek-V3 1.00x).
-    // Blocks that end within a vector: a call per block.
+    // a call per row (fewer calls than one per 128-column block); blocks that end within a vector: a call per block.
     const bool infinite = scale_rows(x, w.cols, dst, ld, rows, [&](const float* src, uint16_t* out) {
       if (srow && bc % 32)
         return scale_blocks(w, srow, unscale, src, out, [](const float* in, float s, uint16_t* to, I64 n) {
@@ -136,10 +134,7 @@ HM_TILE_INLINE float one_token_row(const Matrix& w, const uint8_t* row, const ui
 
 // The GEMV path with bf16 dot products: whole rows, tiles of R rows x up to V::kBf16Tokens tokens, each
 // prefetching the next as P says (NextRows). One token in one-row tiles takes one_token_row for rows without a
-// subnormal code: bit for bit the same; one thread, rows in L2 (`gemv_ab`), fp8 128 x 2048 1.24-1.55x (1.05x with
-// a checkpoint's subnormal codes), from memory 0.99x; the MoE at T = 1 (2 threads, in-process A/B, fp8 with a
-// checkpoint's subnormal codes), with the probe at 63-74 GB/s: Qwen3-30B-A3B fp8 1.045x, bf16 1.04x (DeepSeek-V3
-// bf16 1.03x at 60-71); at 40-50 GB/s 1.01-1.02x, where the memory limits.
+// subnormal code (bit for bit the same, without the tile's per-row column-range work).
 template <class V, WFormat F, int R, NextRows P>
 void matmul_bf16_dot_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
   constexpr I64 B = bytes_per_weight<F>();

@@ -19,13 +19,9 @@ namespace {
 template <int R, int MT>
 constexpr int kAccumulatorSets = R * MT == 1 ? 4 : R * MT <= 4 ? 2 : 1;
 
-// The sets of accumulators of an R x MT tile: one multiply-add (FMA, or vdpbf16ps: 5-6 cycles each on Zen 5, two a
-// cycle) per step and accumulator leaves R * MT * sets chains in flight. A one-row tile at one token with two sets
-// was bound by those chains: about 10 fp8 codes a cycle, 44 GB/s of weights with the rows in L2 (one thread, Zen
-// 5), not much above the 36-40 GB/s one core reads from memory. With four sets, in-process A/B on Zen 5, one
-// thread, T = 1, medians of 12 rounds: the MoE at DeepSeek-V3 shapes (7 KB gate/up rows) fp8 1.03-1.08x, bf16
-// 1.04-1.07x (every round 1.00x or more); Qwen3-30B-A3B (2-4 KB rows) 0.99-1.01x; with two threads, which the
-// shared memory bandwidth limits, 0.98-1.02x.
+// The sets of accumulators of an R x MT tile: one multiply-add (FMA, or vdpbf16ps: several cycles of latency, two
+// a cycle) per step and accumulator leaves R * MT * sets chains in flight; a one-row tile at one token needs four
+// sets not to be bound by those chains.
 template <class S, int R, int MT, NextRows P>
 HM_TILE_INLINE void accumulate_steps(const uint8_t* const* rowp, I64 k0, I64 k1, const typename S::X* const* xr,
                                      typename S::Acc (&acc)[R][MT], const uint8_t* next, I64 stride) {
@@ -128,10 +124,8 @@ HM_TILE_INLINE void fp_tile(const uint8_t* const* rowp, I64 n, const float* cons
 
 // fn(exact, k0, k1) over the columns of an fp8 tile (rows[i], i < R) in as few ranges as cover them: when !fast,
 // or when no row of the tile has a subnormal code (the common case), one range of whole rows; otherwise maximal
-// runs of column blocks alike, exact where a row of the tile has a subnormal code in the block. With realistic
-// weights (a subnormal code about 1 in 5000) 76% of DeepSeek-V3's 7168-column rows hold one (1.4 a row on
-// average): a range per block made one thread's GEMV 0.68x as fast at 8 tokens, 0.5-0.85x at one
-// (benchmarks/gemv_ab.sh with HM_AB_SUBNORMALS=1; "Subnormal codes" in docs/kernels.md).
+// runs of column blocks alike, exact where a row of the tile has a subnormal code in the block. Real weights hold
+// about one subnormal code in 5000, so most long rows have one: a range per block would cost a call per block.
 template <int R, class Fn>
 HM_TILE_INLINE void for_each_fp8_range(const Matrix& w, const I64* rows, bool fast, Fn&& fn) {
   uint8_t flags = 0;
@@ -240,13 +234,8 @@ HM_TILE_INLINE void for_each_token_tile(I64 M, Fn&& fn) {
 // Rows per GEMV tile of vocabulary V for M tokens of format F (rows of row_bytes): 4, except on AVX2 (16 vector
 // registers) for decoded formats at 4 tokens and more that do not split into 3-token tiles evenly (M % 3 != 0,
 // M != 5), which take 3-row x 4-token tiles: the same 12 accumulators, each weight decoded once per 4 tokens
-// instead of per 3 or 2. fp8 rows under kRowStreamMinBytes keep 4-row tiles from 8 tokens. Measured 2026-12-01
-// (Zen 3, one thread, rows from memory, benchmarks/gemv_ab.sh, 3-row / 4-row tiles): fp8 7168-column rows 1.31x
-// at 4 tokens (4 against 2 + 2), 1.15x at 7 (4 + 3 against 3 + 2 + 2), 1.18x at 8, 1.18x at 10, 1.15x at 11,
-// 1.01x at 12; fp8 2048- and 768-column rows 1.27-1.42x at 4, 1.10-1.20x at 7, but 0.90-0.95x at 8, 0.89-0.99x
-// at 10, 0.99-1.00x at 11; bf16 1.49x / 1.14x / 1.12x / 1.04x / 1.01x at 4 / 8 / 16 / 20 / 32 tokens (7168
-// columns), 1.09-1.22x at 4-16 (768 and 2048 columns). Not taken (standalone harness, fp8): 5 tokens
-// (0.96-1.03x), 6 (0.87-0.99x), 9 (0.87-0.97x). float32 weights (no decode to save) keep 4-row tiles.
+// instead of per 3 or 2. fp8 rows under kRowStreamMinBytes keep 4-row tiles from 8 tokens, and float32 weights
+// (no decode to save) always: there the 3-row tiles measured slower.
 template <class V>
 constexpr bool kThreeRowGemvTiles = V::W == 8;  // the AVX2 vocabularies
 template <class V, WFormat F>
@@ -400,9 +389,8 @@ void matmul_fp_gemv_tiles(const Matrix& w, I64 r0, I64 r1, const Activations& x,
   set_nan_rows(w, r0, r1, M, y, ldy);
 }
 
-// One-row tiles at one token take g_short_row_prefetch's level for their far prefetch; 4-row tiles keep L1: on Zen 4
-// (the MoE at Qwen3-30B-A3B shapes, T = 1 and 4, in-process A/B) L2 read fp8's 2 KB rows at 0.96x in the avx512 table
-// and 0.93-0.94x in the avx2 one, where one-row tiles of bf16 1.5 KB rows read 1.05-1.09x with it.
+// One-row tiles at one token take g_short_row_prefetch's level for their far prefetch; 4-row tiles keep L1, where
+// L2 measured slower on Zen 4.
 template <class V, WFormat F, int R>
 void matmul_fp_gemv_rows(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
   const bool far_level = x.m == 1 && R == 1;
@@ -513,9 +501,7 @@ inline void outer_block(const float* tile, I64 tile_ld, const float* xt, I64 xt_
 // Tokens of a GEMM panel's M that go through dot_block rather than the outer-product blocks of up to 3 vectors
 // of W tokens: the last block's tokens where they are at most kMaxDotTokens (they would fill a one-vector
 // block alone), or 1-3 past two vectors (the 3-vector block becomes a 2-vector one); never so that a one-vector
-// block is left. Measured 2026-12-01 (Zen 3, AVX2, one thread, fp8 rows from memory, gemv_ab, tokens = blocks +
-// dot): 24 + 1 1.37-1.54x, 24 + 4-5 1.16-1.42x, 16 + 1-3 0.98-1.22x; not taken: 16 + 4 0.86-0.98x, 16 + 5
-// 0.92-1.14x, 24 + 8 + 1 (a one-vector block left) 0.90-0.94x.
+// block is left (each measured slower than the padded block it would replace).
 constexpr I64 kMaxDotTokens = 5;
 inline I64 dot_block_tokens(I64 M, I64 W) {
   if (M <= W) return 0;

@@ -226,8 +226,8 @@ HM_TILE_INLINE __m256i fold_pairs(__m256i a, __m256i b) {
 
 // acc[i][j] += one oct of R rows (128 bytes at wrow[i], eight scales at srow[i]) times MT tokens (256 int8
 // activations in pair order at xq[j], their oct table at t[j]). Row by row, pair by pair, so that few vectors are
-// live at once (the whole tile's pair sums, live together before, outgrew AVX2's 16 registers), the activations
-// loaded as they are.
+// live at once (the whole tile's pair sums at once would outgrow AVX2's 16 registers), the activations loaded as
+// they are.
 template <class V, ScaleType ST, int R, int MT>
 HM_TILE_INLINE void int4_oct_step(const uint8_t* const* wrow, const uint16_t* const* srow, const int8_t* const* xq,
                                   const float* const* t, __m256 (&acc)[R][MT]) {
@@ -329,9 +329,8 @@ struct LaneSteps {
 // The tokens' activations as the steps read them, prepared once per call: tables[m * ldt + s * 32 ..] (xs and c of
 // step s; groups past the row's are 0) and q[m * ldq + s * kActBytes ..] the int8 activations of step s (int4: per
 // chunk elements 0-15, for the four chunks, then their elements 16-31; int8 as they are), zero-padded to whole
-// steps.
-// A step at a time, in vectors: the matmul is called per block of 128 rows (twice for gate and up), and a scalar
-// loop over the groups' lanes here cost the MoE 1-8% at T = 32-256 (DeepSeek-V3 int8 T = 256 1.08x once vectorised).
+// steps. Built in vectors: the matmul is called per block of 128 rows, and a scalar loop here was visible in the
+// MoE's time at T = 32-256.
 struct LaneActivations {
   const float* tables;
   const int8_t* q;
@@ -512,39 +511,22 @@ HM_TILE_INLINE void one_token_int_lanes(const uint8_t* row, I64 row_bytes, const
 }
 
 // The most tokens of a lane-step register tile of 4 rows: int4 keeps two weight vectors a row live (its nibbles),
-// and 4 x 4 tiles (16 accumulators, 12 row vectors) ran out of registers: one thread, int4 768 x 2048 in L3, 4 x 4
-// tiles at 4 tokens 1.5x the 256-bit kernel, 4 x 3 and 4 x 2 tiles 2.2x at 2-5 tokens; int8 (one vector a row)
-// at 4 tokens: 4 x 4 tiles 1.96x, 2 + 2 tokens 1.31x.
+// and 4 x 4 tiles (16 accumulators, 12 row vectors) run out of registers; int8 (one vector a row) fits 4 x 4.
 template <WFormat F>
 constexpr int kLaneTileTokens = F == WFormat::INT4 ? 3 : 4;
 
-// Tokens from which int4 / int8 with groups of G take the lane steps on AVX-512 (int8 with groups of 128 never:
-// its 256-bit kernel sums a whole group in int32 before one convert, and the lane steps read 0.71-0.96x at 2-8
-// tokens, one thread, 768 x 2048 and 2048 x 7168 in L3 and from memory). Measured 2026-12-03 on Zen 5
-// (benchmarks/gemv_ab.sh, one thread, against the 256-bit kernels):
-// - int4, groups of 32, from one token, with the prefetch that reaches ahead (prefetch_ahead_rows) there as in the
-//   256-bit kernel: 1.04-1.12x from memory and 1.12-1.24x in L3 at 768-7168 columns (without the far prefetch 0.70x
-//   from memory); the MoE (2 threads, in-process A/B) at DeepSeek-V3 shapes T = 1 1.08-1.10x, Qwen3 0.99-1.03x.
-// - int8, groups of 32, from two tokens: at one 0.95-0.97x from memory at 768-2048 columns, 0.76x against its
-//   two-row tiles at 7168 (one token now takes one_token_lanes under 3 KB rows).
-// - int4, groups of 128, from two tokens: in L3 1.11-1.20x at 2, 1.36-1.49x at 4, 1.51-1.61x at 8 (at one 0.95x);
-//   from memory 0.97-1.03x at 2. The MoE (2 threads, in-process A/B, medians of 4 rounds): T = 32 1.35x (Qwen3),
-//   1.06x (DeepSeek-V3); T = 256 1.79x / 1.43x; T = 4 0.97-0.98x (rounds 0.84-1.08).
+// Tokens from which int4 / int8 with groups of G take the lane steps on AVX-512, where they measured faster than
+// the 256-bit kernels: int4 with groups of 32 from one token (with the prefetch that reaches ahead), int8 with
+// groups of 32 and int4 with groups of 128 from two. int8 with groups of 128 never: its 256-bit kernel sums a
+// whole group in int32 before one convert.
 template <WFormat F, int G>
 constexpr I64 kLaneMinTokens = F == WFormat::INT4 && G == 32 ? 1 : 2;
 
 // Whether one token against w (int4 / int8 with groups of G) takes one_token_int_lanes tiles of 4 rows: rows under
 // kPrefetchL2MinBytes of whole steps, on AVX-512 also where the lane steps do not start at one token
-// (kLaneMinTokens: int8 with groups of 32, int4 with groups of 128). Measured 2026-12-03 on Zen 5 (one thread,
-// benchmarks/gemv_ab.sh, against the tiles before: int_lane_tile for int4 with groups of 32, else int_tile):
-// - rows in L2: int4 g32 2048 x 768 1.67x, 768 x 2048 1.49x, 256 x 2048 1.37x; int8 g32 2048 x 768 1.54x,
-//   768 x 2048 1.45x; int4 g128 2048 x 768 3.05x, 768 x 2048 1.23x, 7168 x 2048 1.19x;
-// - from memory: int4 g32 2048 x 768 1.08x, 7168 x 2048 1.01-1.04x; int8 g32 7168 x 2048 1.00-1.03x; int4 g128
-//   2048 x 768 1.71x, 7168 x 2048 1.04x; rows of 3.5 KB (2048 x 7168) 0.91-0.96x, hence the bound;
-// - the MoE at T = 1 (2 threads, both ways alternating in one process): Qwen3-30B-A3B int4 1.07-1.08x (medians of
-//   10 rounds), 1.07x with the probe at 59-69 GB/s, where the kernels now read as fast as a plain read of each
-//   task's rows (1.04x of it; int8 1.005x, fp8 1.00x); int8 1.03x there, 1.01x at the low level; DeepSeek-V3 int4
-//   0.98-1.02x, int8 0.99x (its 7 KB gate/up rows keep their two-row tiles).
+// (kLaneMinTokens: int8 with groups of 32, int4 with groups of 128). Their four sums are taken together, which lets
+// short rows read as fast as a plain read of the same bytes; longer rows keep the tiles they had (two-row tiles
+// for int8), which read them faster.
 template <WFormat F, int G>
 inline bool one_token_lanes(const Matrix& w, I64 tokens, bool gemm) {
   return tokens == 1 && !gemm && w.row_bytes < kPrefetchL2MinBytes &&
@@ -626,13 +608,8 @@ void matmul_int4_g32(const Matrix& w, I64 r0, I64 r1, const Activations& x, floa
 }
 
 // One token against int8 rows of this many bytes and more: two tiles of 2 rows rather than one of 4 (their rows
-// stream from memory faster; see one_row_tiles in kernels_simd_common.h). Measured 2026-12-02 on Zen 5: one
-// thread (benchmarks/gemv_ab.sh, int8 2048 x 7168) 1.15-1.17x with groups of 32 (the avx2 table: 1.09-1.12x),
-// 1.03-1.07x with groups of 128; the MoE at DeepSeek-V3 shapes
-// (groups of 32), 2 threads, both kinds alternating in one process, medians of 6 rounds: 1.09x at T = 1, 1.07x
-// at T = 4. int4 rows (groups of 128, 3.5 KB) read 0.96-0.99x one thread and keep 4-row tiles. One-row int8 tiles
-// (2026-12-03, two float accumulator chains) read 0.99x / 1.10x (groups of 32 / 128) against these at 7 KB and
-// 0.77-0.83x at 3 KB, one thread, and were not kept.
+// stream from memory faster; see one_row_tiles in kernels_simd_common.h). int4 rows and one-row int8 tiles
+// measured no faster.
 constexpr I64 kInt8TwoRowTileMinBytes = 3 << 10;
 
 template <class V, WFormat F, ScaleType ST, int kChunks, NextRows P>

@@ -79,11 +79,7 @@ struct ActBuffer {
 // Rows per task: blocks of 128 rows (1024 for the float GEMM path: it transposes the tokens' activations once
 // per task), doubled while a task would read less than kTaskMinBytes of weights (row_bytes: of all the matrices
 // the task reads), then halved (down to 16) until there are >= 8 tasks per thread. A task starts cold (its first
-// tile is not prefetched): Qwen3-30B-A3B's down rows (768 B fp8, 384 B int4) made 48-96 KB tasks; at 256 KB the
-// T = 1 / 4 MoE at those shapes ran 1.04-1.13x (int4 / int8), 1.00-1.05x (fp8) on one thread. 512 KB against 256
-// (2026-12-03, Zen 5, 2 threads, both alternating in one process, medians of 6-10 rounds): Qwen3 T = 1 int4 1.03x
-// (1.06x with the probe at 60-70 GB/s), fp8 1.03x (1.00x there), int8 1.02x there; T = 4 int4 1.01x, fp8 1.04x;
-// DeepSeek-V3 T = 1 (its down tasks) int4 1.02x, fp8 1.04x. 128 KB: Qwen3 T = 1 0.99-1.01x.
+// tile is not prefetched), so short rows (Qwen3-30B-A3B's down projection) need long tasks (docs/kernels.md).
 constexpr I64 kTaskMinBytes = 512 << 10;
 I64 task_rows(I64 rows, I64 num_slots, int threads, I64 row_bytes, bool gemm = false) {
   I64 blk = gemm ? 1024 : 128;
@@ -172,9 +168,7 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   // A task's (slot, block of rows) among S x blocks. Experts with more tokens go first (slot-major), so that the last
   // tasks are the light ones. Where every active expert has as many tokens (T = 1, among others) consecutive tasks
   // go to different experts (block-major), so that the threads read different experts' matrices at once rather
-  // than neighbouring blocks of one: in-process A/B on the Zen 5 VM, 2 threads, T = 1, the probe at 68-77 GB/s,
-  // medians of 7-10 rounds (two runs): DeepSeek-V3 fp8 1.00x and 1.04x, int4 1.02x, int8 1.03x, bf16 1.02x;
-  // Qwen3-30B-A3B fp8 1.03x and 1.06x, int4 1.04x, int8 1.03x, bf16 0.99x (rounds 0.89-1.26).
+  // than neighbouring blocks of one.
   const bool equal_loads = count[slots.front()] == count[slots.back()];
   auto slot_block = [&](I64 task, I64 blocks) {
     return equal_loads ? std::pair<I64, I64>(task % S, task / S) : std::pair<I64, I64>(task / blocks, task % blocks);
