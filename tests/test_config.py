@@ -84,3 +84,27 @@ def test_errors_name_the_field_and_the_file(tmp_path):
         load_config(_write(tmp_path, {**DEEPSEEK_V3_OFFICIAL, "scoring_func": "relu"}))
     with pytest.raises(ConfigError, match="quant_method 'awq' is not supported"):
         load_config(_write(tmp_path, {**DEEPSEEK_V3_OFFICIAL, "quantization_config": {"quant_method": "awq"}}))
+
+
+def test_binary_config_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")  # e.g. a file saved under the wrong name
+    with pytest.raises(ConfigError, match=r"config\.json: not UTF-8 text"):
+        load_config(tmp_path)
+
+
+def test_config_without_architectures_reads_as_its_model_types_family():
+    raw = {k: v for k, v in DEEPSEEK_V3_OFFICIAL.items() if k != "architectures"}
+    assert parse_config({**raw, "model_type": "kimi_k2"}).architecture == "DeepseekV3ForCausalLM"
+    with pytest.raises(ConfigError, match="unsupported architecture 'llama'.*supported: DeepseekV3ForCausalLM, "
+                                          "Qwen3MoeForCausalLM, MixtralForCausalLM"):
+        parse_config({**raw, "model_type": "llama"})
+
+
+def test_each_packaged_model_parses_as_the_family_that_lists_it():
+    from hybridmoe.config.families import FAMILIES, family_of
+    from hybridmoe.placement.modelspec import resolve_model
+
+    for family in FAMILIES:
+        for names in family.packaged:
+            for name in names:
+                assert family_of(resolve_model(name)) is family, name
