@@ -1,5 +1,6 @@
 """CpuExpertBackend (the ExpertBackend on the C++ kernels) against plain torch computations of the same MoE,
-grouped by expert, for each weight format; shared experts riding along; overlap of submit and wait."""
+grouped by expert, for each weight format; shared experts as extra experts in the same call; overlap of submit
+and wait."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def test_backend_matches_torch_grouped_by_expert(fmt, tol):
     gen = torch.Generator().manual_seed(seed(fmt))
     weights, exact = _expert_weights(fmt, gen)
-    backend = CpuExpertBackend(weights, torch.float32)
+    backend = CpuExpertBackend(weights)
     assert backend.repacked_bytes == 0
     for tokens in (1, 6, 24):
         hidden = torch.randn(tokens, H, generator=gen)
@@ -41,18 +42,23 @@ def test_backend_matches_torch_grouped_by_expert(fmt, tol):
         error = _error(out, reference.moe_reference(hidden, ids, topk_weights, exact))
         assert error < tol + bf16_activation_tolerance(fmt)
         if fmt in ("f32", "fp8"):  # the engine's plain-torch backend, in float32
-            torch_out = TorchExpertBackend(weights, torch.float32).submit(hidden, ids, topk_weights)
+            torch_out = TorchExpertBackend(weights).submit(hidden, ids, topk_weights)
             assert _error(out, torch_out.double()) < 1e-4 + bf16_activation_tolerance(fmt)
 
 
-def test_shared_experts_ride_in_the_same_call():
+def test_shared_experts_ride_in_the_same_call_as_extra_experts():
+    """Shared experts appended to the routed ones, visited by every token with weight 1, in one bf16 call."""
     gen = torch.Generator().manual_seed(3)
     routed, exact = _expert_weights("fp8", gen)
     shared, shared_exact = _expert_weights("fp8", gen, num_experts=2)
-    backend = CpuExpertBackend(routed, shared=shared)
+    both = ExpertWeights(fmt="fp8", **{name: getattr(routed, name) + getattr(shared, name) for name in (
+        "gate", "up", "down", "gate_scale", "up_scale", "down_scale")}, block_size=routed.block_size)
+    backend = CpuExpertBackend(both)
     hidden = torch.randn(5, H, generator=gen).bfloat16()
     ids, topk_weights = random_routing(5, K, E, gen)
-    out = backend.wait(backend.submit(hidden, ids, topk_weights))
+    shared_ids = torch.arange(E, E + 2).expand(5, -1)  # [T, 2]
+    out = backend.wait(backend.submit(hidden, torch.cat([ids.long(), shared_ids], 1),
+                                      torch.cat([topk_weights.float(), torch.ones(5, 2)], 1)))
     ref = reference.moe_reference(hidden, ids, topk_weights, exact)
     for gate, up, down in shared_exact:
         x = hidden.double()

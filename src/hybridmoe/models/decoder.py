@@ -25,7 +25,7 @@ from hybridmoe.layers.paged_attention import AttentionMetadata
 from hybridmoe.layers.rope import RotaryEmbedding
 from hybridmoe.models.weight_loader import WeightLoader
 
-ExpertBackendFactory = Callable[[ExpertWeights, torch.dtype], ExpertBackend]
+ExpertBackendFactory = Callable[[ExpertWeights], ExpertBackend]  # computes in the hidden states' dtype
 
 
 class Attention(Protocol):
@@ -148,4 +148,4 @@ def _build_moe(config: ModelConfig, spec: ArchSpec, loader: WeightLoader, moe_pr
     if spec.shared_experts_prefix and moe.num_shared_experts:
         shared = _gated_mlp(loader, layer_prefix + spec.shared_experts_prefix + ".", hidden,
                             moe.shared_intermediate_size)
-    return MoEBlock(router, backend_factory(experts, loader.dtype), shared)
+    return MoEBlock(router, backend_factory(experts), shared)

@@ -2,8 +2,8 @@
 
 `submit` queues the fused MoE (fp8 / int4 / int8 / bf16 / f16 / f32 weights, used in place) on the kernels'
 executor and returns at once; `wait` blocks with the GIL released, so the caller runs accelerator work (shared
-experts, the other micro-batch's attention) in between. Shared experts can ride in the same call: they are
-appended as extra experts that every token visits with weight 1.
+experts, the other micro-batch's attention) in between. The kernels accumulate in float32 and return the hidden
+states' dtype.
 
 Weights stay where the loader put them (zero-copy views of the memory-mapped checkpoint where it has them).
 The only repack is for dense weights whose rows are not contiguous (a transposed view): those are copied
@@ -11,7 +11,7 @@ once, here, and counted in `repacked_bytes`. On several NUMA nodes (or with HYBR
 copy each node's shard of the experts into its memory, on huge pages, at load (`numa_copied_bytes`; see
 hybridmoe.kernels.numa).
 
-Legend: T tokens, H hidden, K top-k, E routed experts, S shared experts.
+Legend: T tokens, H hidden, K top-k.
 """
 
 from __future__ import annotations
@@ -34,24 +34,13 @@ def kernel_format(weights: ExpertWeights) -> str:
 
 
 class CpuExpertBackend:
-    """ExpertBackend running one layer's routed experts (plus optional shared experts) on the C++ kernels.
+    """ExpertBackend running one layer's routed experts on the C++ kernels."""
 
-    compute_dtype is accepted for the backend-factory signature; the kernels accumulate in float32 and return
-    the hidden states' dtype whatever it is.
-    """
-
-    def __init__(self, weights: ExpertWeights, compute_dtype: torch.dtype | None = None,
-                 shared: ExpertWeights | None = None):
+    def __init__(self, weights: ExpertWeights):
         fmt = kernel_format(weights)
-        if shared is not None and kernel_format(shared) != fmt:
-            raise ValueError(f"shared experts must share the routed experts' format {fmt!r}, "
-                             f"got {kernel_format(shared)!r}")
-        self.num_routed = weights.num_experts
-        self.num_shared = shared.num_experts if shared is not None else 0
         self.repacked_bytes = 0
-        parts = [weights] + ([shared] if shared is not None else [])
-        tensors = {name: [self._rows(t) for w in parts for t in getattr(w, name)] for name in ("gate", "up", "down")}
-        scales = {name: ([s for w in parts for s in getattr(w, name + "_scale")] if weights.gate_scale else None)
+        tensors = {name: [self._rows(t) for t in getattr(weights, name)] for name in ("gate", "up", "down")}
+        scales = {name: (list(getattr(weights, name + "_scale")) if weights.gate_scale else None)
                   for name in ("gate", "up", "down")}
         self.moe = FusedMoE(fmt, tensors["gate"], tensors["up"], tensors["down"], scales["gate"], scales["up"],
                             scales["down"], hidden_size=weights.down[0].shape[0],
@@ -70,11 +59,6 @@ class CpuExpertBackend:
 
     def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> MoEHandle:
         """hidden [T, H], topk_ids [T, K], topk_weights [T, K] -> handle, at once."""
-        if self.num_shared:
-            T = topk_ids.shape[0]
-            shared_ids = torch.arange(self.num_routed, self.num_routed + self.num_shared).expand(T, -1)  # [T, S]
-            topk_ids = torch.cat([topk_ids.to(torch.int64), shared_ids], dim=1)  # [T, K + S]
-            topk_weights = torch.cat([topk_weights.float(), torch.ones(T, self.num_shared)], dim=1)
         return self.moe.submit(hidden, topk_ids, topk_weights)
 
     def wait(self, handle: MoEHandle) -> torch.Tensor:

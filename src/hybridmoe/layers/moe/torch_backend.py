@@ -1,7 +1,8 @@
 """The plain-torch ExpertBackend: routed experts grouped by expert (one matmul per active expert).
 
-Used where no faster backend applies, and as the reference the CPU kernels are checked against. FP8 and
-int4/int8 experts are dequantised per call, only for the experts that tokens were routed to.
+Used where no faster backend applies, and as the reference the CPU kernels are checked against. It computes in
+the hidden states' dtype (the model's compute dtype). FP8 and int4/int8 experts are dequantised per call, only for
+the experts that tokens were routed to.
 
 Legend: T tokens, H hidden, K top-k, I expert intermediate, A (token, expert) assignments = T*K.
 """
@@ -17,8 +18,8 @@ from hybridmoe.layers.moe.backend import ExpertWeights
 
 
 class TorchExpertBackend:
-    def __init__(self, weights: ExpertWeights, compute_dtype: torch.dtype):
-        self.w, self.dtype = weights, compute_dtype
+    def __init__(self, weights: ExpertWeights):
+        self.w = weights
 
     def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], topk_ids [T, K], topk_weights [T, K] -> computed at once; the handle is the output."""
@@ -27,32 +28,33 @@ class TorchExpertBackend:
         order = flat_ids.argsort(stable=True)  # assignments sorted by expert
         token_of = order // top_k  # [A] token row of each sorted assignment
         counts = torch.bincount(flat_ids, minlength=self.w.num_experts).tolist()
-        weights = topk_weights.reshape(-1)[order].to(self.dtype)  # [A]
-        x = hidden.to(self.dtype)
-        out = torch.zeros(num_tokens, x.shape[1], dtype=self.dtype)
+        dtype = hidden.dtype
+        weights = topk_weights.reshape(-1)[order].to(dtype)  # [A]
+        x = hidden
+        out = torch.zeros(num_tokens, x.shape[1], dtype=dtype)
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
             rows = token_of[start:start + count]
-            gate, up, down = self._expert(expert)
+            gate, up, down = self._expert(expert, dtype)
             h = F.silu(F.linear(x[rows], gate)) * F.linear(x[rows], up)  # [n, I]
             out.index_add_(0, rows, F.linear(h, down) * weights[start:start + count, None])
             start += count
-        return out.to(hidden.dtype)
+        return out
 
     def wait(self, handle: torch.Tensor) -> torch.Tensor:
         return handle
 
-    def _expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         w = self.w
         if w.fmt == "dense":
-            return w.gate[e].to(self.dtype), w.up[e].to(self.dtype), w.down[e].to(self.dtype)
+            return w.gate[e].to(dtype), w.up[e].to(dtype), w.down[e].to(dtype)
         if w.fmt == "fp8":
-            return tuple(dequantize_fp8(q[e], s[e], w.block_size, self.dtype)
+            return tuple(dequantize_fp8(q[e], s[e], w.block_size, dtype)
                          for q, s in ((w.gate, w.gate_scale), (w.up, w.up_scale), (w.down, w.down_scale)))
         if w.fmt in ("int4", "int8"):
             cols = (w.hidden_size, w.hidden_size, w.intermediate_size)
-            return tuple(dequantize_int(w.fmt, q[e], s[e], k).to(self.dtype) for q, s, k in
+            return tuple(dequantize_int(w.fmt, q[e], s[e], k).to(dtype) for q, s, k in
                          zip((w.gate, w.up, w.down), (w.gate_scale, w.up_scale, w.down_scale), cols))
         raise ValueError(f"TorchExpertBackend: unsupported expert weight format {w.fmt!r}")
