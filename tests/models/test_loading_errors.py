@@ -14,7 +14,7 @@ from hybridmoe.checkpoint.safetensors_reader import CheckpointError, CheckpointR
 from hybridmoe.config import load_config
 from hybridmoe.layers.moe.torch_backend import TorchExpertBackend
 from hybridmoe.models.decoder import build_decoder
-from hybridmoe.models.loader import ARCH_SPECS, load_model
+from hybridmoe.models.loader import load_model
 from hybridmoe.models.weight_loader import WeightLoader
 from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
 
@@ -76,8 +76,7 @@ def test_bfloat16_weights_are_views_of_the_mapped_file(tiny_model_dir):
     model_dir = tiny_model_dir("qwen3_moe", dtype=torch.bfloat16)
     reader = CheckpointReader(model_dir)
     config = load_config(model_dir)
-    model = build_decoder(config, ARCH_SPECS[config.architecture], WeightLoader(reader, config, torch.bfloat16),
-                          TorchExpertBackend)
+    model = build_decoder(config, WeightLoader(reader, config, torch.bfloat16), TorchExpertBackend)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         mapped = torch.frombuffer(next(iter(reader._maps.values())), dtype=torch.uint8)

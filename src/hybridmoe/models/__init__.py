@@ -1,1 +1,3 @@
-"""One module per supported architecture (DeepSeek-V3, Qwen3-MoE, Mixtral)."""
+"""The decoder shared by every model family (`decoder`), attention of each kind (`attention`), typed weight
+access (`weight_loader`) and `loader.load_model`. What differs between families is described in
+hybridmoe.config.families."""

@@ -1,7 +1,8 @@
-"""The MoE decoder shared by all architectures: embeddings -> N x (attention, dense MLP or MoE) -> norm -> head.
+"""The MoE decoder shared by all families: embeddings -> N x (attention, dense MLP or MoE) -> norm -> head.
 
-Architectures differ in their attention (MLA or GQA), router, shared experts and checkpoint names; each
-architecture module provides an `ArchSpec` that says how to build those from a checkpoint.
+Families differ in their attention kind (built by models/attention.py from `config.attention.kind`), router
+and shared experts (both in ModelConfig) and the checkpoint names of their MoE blocks (their family's
+`WeightNames`, hybridmoe.config.families); nothing here names a family.
 
 Legend: T new tokens in the batch, H hidden, V vocabulary.
 """
@@ -10,12 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.config import ModelConfig
+from hybridmoe.config import ModelConfig, WeightNames, family_of
 from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.layers.moe.backend import ExpertBackend, ExpertWeights
 from hybridmoe.layers.moe.block import MoEBlock
@@ -23,25 +23,10 @@ from hybridmoe.layers.moe.router import Router
 from hybridmoe.layers.norm import rms_norm
 from hybridmoe.layers.paged_attention import AttentionMetadata
 from hybridmoe.layers.rope import RotaryEmbedding
+from hybridmoe.models.attention import Attention, attention_kind
 from hybridmoe.models.weight_loader import WeightLoader
 
 ExpertBackendFactory = Callable[[ExpertWeights], ExpertBackend]  # computes in the hidden states' dtype
-
-
-class Attention(Protocol):
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                cache: torch.Tensor) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """How one architecture names and builds its parts."""
-
-    moe_prefix: str  # "mlp" (DeepSeek, Qwen3) | "block_sparse_moe" (Mixtral)
-    expert_proj_names: tuple[str, str, str]  # gate, up, down
-    shared_experts_prefix: str | None  # "mlp.shared_experts" (DeepSeek)
-    build_attention: Callable[[WeightLoader, str, ModelConfig, RotaryEmbedding], Attention]
-    cache_shape: Callable[[ModelConfig, int, int], tuple[int, ...]]  # (config, num_blocks, block_size)
 
 
 @dataclass
@@ -53,9 +38,9 @@ class DecoderLayer:
 
 
 class MoEDecoderModel:
-    def __init__(self, config: ModelConfig, spec: ArchSpec, embed: torch.Tensor, layers: list[DecoderLayer],
-                 norm: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype):
-        self.config, self.spec, self.dtype = config, spec, dtype
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], norm: torch.Tensor,
+                 lm_head: torch.Tensor, dtype: torch.dtype):
+        self.config, self.dtype = config, dtype
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
 
     def add_routing_observer(self, observe: Callable[[int, torch.Tensor], None]) -> Callable[[], None]:
@@ -76,7 +61,7 @@ class MoEDecoderModel:
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache tensor."""
-        return self.spec.cache_shape(self.config, num_blocks, block_size)
+        return attention_kind(self.config).cache_shape(self.config, num_blocks, block_size)
 
     def kv_bytes_per_token(self) -> int:
         per_block = torch.Size(self.kv_cache_shape(1, 1)).numel()
@@ -96,18 +81,18 @@ class MoEDecoderModel:
         return F.linear(rms_norm(h, self.norm, eps), self.lm_head).float()
 
 
-def build_decoder(config: ModelConfig, spec: ArchSpec, loader: WeightLoader,
-                  backend_factory: ExpertBackendFactory) -> MoEDecoderModel:
+def build_decoder(config: ModelConfig, loader: WeightLoader, backend_factory: ExpertBackendFactory) -> MoEDecoderModel:
     """Build the model from a checkpoint (weights are zero-copy views where the dtypes allow)."""
     hidden, vocab = config.hidden_size, config.vocab_size
+    names, build_attention = family_of(config).weights, attention_kind(config).build
     rope = RotaryEmbedding(config.rope)
     embed = loader.dense("model.embed_tokens.weight", (vocab, hidden))
     layers = []
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
-        attention = spec.build_attention(loader, prefix + "self_attn.", config, rope)
+        attention = build_attention(loader, prefix + "self_attn.", config, rope)
         if config.moe_layers[i]:
-            mlp = _build_moe(config, spec, loader, prefix + spec.moe_prefix + ".", prefix, backend_factory)
+            mlp = _build_moe(config, names, loader, prefix + names.moe_prefix + ".", prefix, backend_factory)
         else:
             mlp = _gated_mlp(loader, prefix + "mlp.", hidden, config.intermediate_size)
         layers.append(DecoderLayer(
@@ -123,7 +108,7 @@ def build_decoder(config: ModelConfig, spec: ArchSpec, loader: WeightLoader,
     else:
         lm_head = loader.dense("lm_head.weight", (vocab, hidden))
     loader.close()
-    return MoEDecoderModel(config, spec, embed, layers, norm, lm_head, loader.dtype)
+    return MoEDecoderModel(config, embed, layers, norm, lm_head, loader.dtype)
 
 
 def _gated_mlp(loader: WeightLoader, prefix: str, hidden: int, inter: int) -> GatedMLP:
@@ -134,18 +119,18 @@ def _gated_mlp(loader: WeightLoader, prefix: str, hidden: int, inter: int) -> Ga
     )
 
 
-def _build_moe(config: ModelConfig, spec: ArchSpec, loader: WeightLoader, moe_prefix: str, layer_prefix: str,
+def _build_moe(config: ModelConfig, names: WeightNames, loader: WeightLoader, moe_prefix: str, layer_prefix: str,
                backend_factory: ExpertBackendFactory) -> MoEBlock:
     moe, hidden = config.moe, config.hidden_size
     bias = None
     if moe.topk_method == "noaux_tc":
         bias = loader.float32(moe_prefix + "gate.e_score_correction_bias", (moe.num_experts,))
     router = Router(moe, loader.float32(moe_prefix + "gate.weight", (moe.num_experts, hidden)), bias)
-    gate, up, down = spec.expert_proj_names
-    names = [tuple(f"{moe_prefix}experts.{e}.{p}.weight" for p in (gate, up, down)) for e in range(moe.num_experts)]
-    experts = loader.experts(names, moe.intermediate_size, hidden)
+    projections = names.expert_projections  # gate, up, down
+    expert_names = [tuple(f"{moe_prefix}experts.{e}.{p}.weight" for p in projections) for e in range(moe.num_experts)]
+    experts = loader.experts(expert_names, moe.intermediate_size, hidden)
     shared = None
-    if spec.shared_experts_prefix and moe.num_shared_experts:
-        shared = _gated_mlp(loader, layer_prefix + spec.shared_experts_prefix + ".", hidden,
+    if names.shared_experts_prefix and moe.num_shared_experts:
+        shared = _gated_mlp(loader, layer_prefix + names.shared_experts_prefix + ".", hidden,
                             moe.shared_intermediate_size)
     return MoEBlock(router, backend_factory(experts), shared)

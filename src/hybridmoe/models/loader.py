@@ -11,15 +11,9 @@ from hybridmoe.config import ModelConfig, load_config
 from hybridmoe.kernels.isa import cpu_features
 from hybridmoe.layers.moe.cpu_backend import CpuExpertBackend
 from hybridmoe.layers.moe.torch_backend import TorchExpertBackend
-from hybridmoe.models import deepseek_v3, mixtral, qwen3_moe
-from hybridmoe.models.decoder import ArchSpec, ExpertBackendFactory, MoEDecoderModel, build_decoder
+from hybridmoe.models.decoder import ExpertBackendFactory, MoEDecoderModel, build_decoder
 from hybridmoe.models.weight_loader import WeightLoader
 
-ARCH_SPECS: dict[str, ArchSpec] = {
-    "DeepseekV3ForCausalLM": deepseek_v3.SPEC,
-    "Qwen3MoeForCausalLM": qwen3_moe.SPEC,
-    "MixtralForCausalLM": mixtral.SPEC,
-}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Routed-expert backends: "cpu" runs the C++ kernels (the default), "torch" the plain-torch reference.
 EXPERT_BACKENDS: dict[str, ExpertBackendFactory] = {"cpu": CpuExpertBackend, "torch": TorchExpertBackend}
@@ -51,4 +45,4 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", expert_
     config = config or load_config(model_dir)
     reader = CheckpointReader(model_dir)
     loader = WeightLoader(reader, config, resolve_dtype(dtype), show_progress)
-    return build_decoder(config, ARCH_SPECS[config.architecture], loader, backend_factory)
+    return build_decoder(config, loader, backend_factory)

@@ -21,33 +21,27 @@ from importlib import resources
 from pathlib import Path
 
 from hybridmoe.config import ModelConfig, load_config, parse_config
+from hybridmoe.config.families import PACKAGED_ALIASES, PACKAGED_MODELS  # noqa: F401 (PACKAGED_MODELS: re-exported)
 
 KV_CACHE_BYTES = 2  # the engine caches keys/values (or MLA latents) in bf16
 QUERY_BLOCK = 4096  # prefill attention processes at most this many queries at a time
 MLP_BLOCK = 65536  # and the MLP at most this many (token, expert) pairs at a time
 
-_CATALOG = {
-    "deepseek-v3": "deepseek-v3", "deepseek-r1": "deepseek-v3", "deepseek-v3-0324": "deepseek-v3",
-    "kimi-k2": "kimi-k2", "kimi-k2-instruct": "kimi-k2", "kimi-k2-base": "kimi-k2",
-    "qwen3-235b-a22b": "qwen3-235b-a22b", "qwen3-30b-a3b": "qwen3-30b-a3b",
-    "mixtral-8x7b": "mixtral-8x7b", "mixtral-8x7b-v0.1": "mixtral-8x7b",
-    "mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
-}
-PACKAGED_MODELS = ("deepseek-v3", "kimi-k2", "qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-8x7b")
-
 
 def resolve_model(name_or_dir: str | Path) -> ModelConfig:
     """A model directory (with config.json) or the name of a packaged config (e.g. "DeepSeek-V3",
-    "deepseek-ai/DeepSeek-V3", "Qwen/Qwen3-30B-A3B")."""
+    "deepseek-ai/DeepSeek-V3", "Qwen/Qwen3-30B-A3B"); each family lists its packaged models and their other
+    names (hybridmoe.config.families), their config.json files are in data/models."""
     path = Path(name_or_dir)
     if path.is_dir():
         return load_config(path)
     key = str(name_or_dir).strip().lower().rsplit("/", 1)[-1]
-    if key not in _CATALOG:
+    if key not in PACKAGED_ALIASES:
         raise ValueError(f"{name_or_dir!r} is neither a model directory nor a packaged model; "
                          f"packaged: {', '.join(PACKAGED_MODELS)}")
-    text = resources.files("hybridmoe.placement").joinpath(f"data/models/{_CATALOG[key]}/config.json")
-    return parse_config(json.loads(text.read_text()), source=f"packaged:{_CATALOG[key]}/config.json")
+    directory = PACKAGED_ALIASES[key]
+    text = resources.files("hybridmoe.placement").joinpath(f"data/models/{directory}/config.json")
+    return parse_config(json.loads(text.read_text()), source=f"packaged:{directory}/config.json")
 
 
 @dataclass(frozen=True)

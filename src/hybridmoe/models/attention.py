@@ -1,0 +1,90 @@
+"""Each attention kind loaded from Hugging Face checkpoint names: `attention_kind(config)` gives the builder of
+one layer's attention and the shape of its KV cache. MLA (DeepSeek-V3's latent attention) and GQA
+(grouped-query: Qwen3-MoE, Mixtral) are built here; a family whose config says one of these kinds
+(`config.attention.kind`) gets its attention for free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from hybridmoe.config import ModelConfig
+from hybridmoe.layers.attention_gqa import GQAttention, GQAWeights
+from hybridmoe.layers.attention_mla import MLAttention, MLAWeights
+from hybridmoe.layers.paged_attention import AttentionMetadata
+from hybridmoe.layers.rope import RotaryEmbedding
+from hybridmoe.models.weight_loader import WeightLoader
+
+
+class Attention(Protocol):
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                cache: torch.Tensor) -> torch.Tensor: ...
+
+
+def build_mla(loader: WeightLoader, prefix: str, config: ModelConfig, rope: RotaryEmbedding) -> MLAttention:
+    att, hidden = config.attention, config.hidden_size
+    heads, qk_dim = att.num_heads, att.qk_nope_head_dim + att.qk_rope_head_dim
+    lora, rope_dim = att.kv_lora_rank, att.qk_rope_head_dim
+    bias = loader.dense if att.bias else (lambda name, shape: None)
+    weights = MLAWeights(
+        kv_a_proj=loader.dense(prefix + "kv_a_proj_with_mqa.weight", (lora + rope_dim, hidden)),
+        kv_a_bias=bias(prefix + "kv_a_proj_with_mqa.bias", (lora + rope_dim,)),
+        kv_a_norm=loader.dense(prefix + "kv_a_layernorm.weight", (lora,)),
+        kv_b_proj=loader.dense(prefix + "kv_b_proj.weight", (heads * (att.qk_nope_head_dim + att.v_head_dim), lora)),
+        o_proj=loader.dense(prefix + "o_proj.weight", (hidden, heads * att.v_head_dim)),
+        o_bias=bias(prefix + "o_proj.bias", (hidden,)),
+    )
+    if att.q_lora_rank is None:
+        weights.q_proj = loader.dense(prefix + "q_proj.weight", (heads * qk_dim, hidden))
+    else:
+        q_lora = att.q_lora_rank
+        weights.q_a_proj = loader.dense(prefix + "q_a_proj.weight", (q_lora, hidden))
+        weights.q_a_bias = bias(prefix + "q_a_proj.bias", (q_lora,))
+        weights.q_a_norm = loader.dense(prefix + "q_a_layernorm.weight", (q_lora,))
+        weights.q_b_proj = loader.dense(prefix + "q_b_proj.weight", (heads * qk_dim, q_lora))
+    return MLAttention(config, weights, rope)
+
+
+def build_gqa(loader: WeightLoader, prefix: str, config: ModelConfig, rope: RotaryEmbedding) -> GQAttention:
+    att, hidden = config.attention, config.hidden_size
+    q_dim, kv_dim = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
+    weights = GQAWeights(
+        q_proj=loader.dense(prefix + "q_proj.weight", (q_dim, hidden)),
+        k_proj=loader.dense(prefix + "k_proj.weight", (kv_dim, hidden)),
+        v_proj=loader.dense(prefix + "v_proj.weight", (kv_dim, hidden)),
+        o_proj=loader.dense(prefix + "o_proj.weight", (hidden, q_dim)),
+    )
+    if att.bias:
+        weights.q_bias = loader.dense(prefix + "q_proj.bias", (q_dim,))
+        weights.k_bias = loader.dense(prefix + "k_proj.bias", (kv_dim,))
+        weights.v_bias = loader.dense(prefix + "v_proj.bias", (kv_dim,))
+    if att.qk_norm:
+        weights.q_norm = loader.dense(prefix + "q_norm.weight", (att.head_dim,))
+        weights.k_norm = loader.dense(prefix + "k_norm.weight", (att.head_dim,))
+    return GQAttention(config, weights, rope)
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """How the decoder builds one attention kind and sizes its cache."""
+
+    build: Callable[[WeightLoader, str, ModelConfig, RotaryEmbedding], Attention]  # (loader, prefix, config, rope)
+    cache_shape: Callable[[ModelConfig, int, int], tuple[int, ...]]  # (config, num_blocks, block_size)
+
+
+ATTENTION_KINDS: dict[str, AttentionKind] = {
+    "mla": AttentionKind(build_mla, MLAttention.cache_shape),
+    "gqa": AttentionKind(build_gqa, GQAttention.cache_shape),
+}
+
+
+def attention_kind(config: ModelConfig) -> AttentionKind:
+    kind = config.attention.kind
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"{config.source or config.architecture}: attention kind {kind!r} is not built here; "
+                         f"built: {', '.join(ATTENTION_KINDS)}")
+    return ATTENTION_KINDS[kind]
