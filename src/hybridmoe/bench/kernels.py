@@ -15,8 +15,8 @@ The bandwidth probe's buffer comes from numpy, which asks for transparent huge p
 pool's tensors lie in one numpy-allocated block (_HugePageArena), read in place by the kernels and by torch's
 baselines alike, unless HYBRIDMOE_COPY_EXPERTS=1 has the kernels copy them at load into memory of their own, also
 on huge pages (expert_memory in the JSON). Torch's own allocations sit on 4 KB pages where THP is "madvise" (as
-on most distributions); from them the kernels read 0.96-1.06x as fast at T = 1 with the probe at 50-54 GB/s,
-1.10-1.16x at its 70-78 GB/s level (Zen 5 VM, 2026-12-03).
+on most distributions), from which the kernels would read the experts up to a tenth slower than the probe's
+buffer.
 
 The pool's idle spin (isa.idle_spin_us, HYBRIDMOE_SPIN_US; idle_spin_us in the JSON) is left as set: workers
 spinning on past a kernel call hold their CPUs during the torch baseline that follows it, so a spin longer than
@@ -25,7 +25,7 @@ the default slows the baseline and flatters the speedups. So is where short rows
 
 Reported per (shape, format, T): weight_gbs (bytes of the experts the tokens visit / time), its fraction of the
 measured bandwidth, the fraction of the FMA peak (2*3*H*I*T*K flops / time), and the two speedups. The host's
-bandwidth and FMA rate drift (a shared VM: 15-29 GB/s within an hour), so each case is measured side by side
+bandwidth and FMA rate drift (on a shared VM by up to 2x within minutes), so each case is measured side by side
 with its own probes, right before and right after its timed calls, and its fractions are of the better of those
 two (probe_gbs, probe_gflops); the run's memory_bandwidth_gbs and peak_fma_gflops are the best of all probes,
 and bandwidth_fraction_of_best / flops_fraction_of_best give the fractions of those. Where the dequantise
@@ -62,9 +62,8 @@ POOL_BYTES = {False: 1 << 30, True: 256 << 20}  # by quick: the least expert poo
 CACHE_MULTIPLE = 4  # the probe's buffer and the pools are at least this many times the last-level cache
 # where the kernels read the experts (numa.topology()["copy_shards"]; HYBRIDMOE_COPY_EXPERTS=1 copies them)
 EXPERT_MEMORY = {False: "read in place (huge pages)", True: "copied at load (huge pages)"}
-# Short calls after the CPUs idled ran slower for tens of ms on the Zen 5 VM (2026-12-02, Qwen3 bf16 T = 1, medians
-# of 8 calls after one warm-up call: 3.0-5.6 ms after 1 s idle, 1.9-3.1 ms right after torch's calls; 2.4-2.9 ms
-# after 1 s idle and 0.2 s of warm-up calls), so each case first calls for this long.
+# Short calls after the CPUs idled run slower for tens of ms on a VM (one warm-up call is not enough), so each case
+# first calls for this long.
 WARMUP_SECONDS = 0.2
 SETTLE_SECONDS = 0.02  # untimed calls before each timed one (_block_times)
 QUIET_STEP_SECONDS = 0.01  # _wait_until_quiet's sleeps, until this process used under 0.1 CPU in one

@@ -6,14 +6,12 @@ mmap'd file: nothing is read into RAM until a page is touched, so a 650 GB check
 only the tensors that are used cost memory.
 
 Each file's mapping is advised for transparent huge pages (MADV_HUGEPAGE): where the filesystem keeps large
-folios in the page cache (ext4 on Linux 6.18 here), a page fault then reads the file in 2 MB folios mapped by one
-page-table entry each, so the CPU expert kernels stream weights through far fewer TLB entries. Without it the
-kernel reads around a fault in small folios wherever first touches are scattered, as the kernels' load-time scan
-of fp8 rows and the routed experts' reads are: measured (2026-12-03, Zen 5 VM, page cache dropped before the
-load) 0-6% of a file of Qwen3-30B-A3B-shaped fp8 / int8 experts on 2 MB mappings without the advice, 98-100%
-with it, and the fused MoE at T = 1 reading those experts in place 0.91x as fast as from anonymous huge pages
-without it, 1.01-1.05x with it. Fault-time reads come in 2 MB units then (what is read stays in the page cache
-for the tensors around it).
+folios in the page cache (ext4 on recent Linux), a page fault then reads the file in 2 MB folios mapped by one
+page-table entry each, so the CPU expert kernels stream weights through far fewer TLB entries. Without the advice
+the kernel reads around a fault in small folios wherever first touches are scattered, as the kernels' load-time
+scan of fp8 rows and the routed experts' reads are, and the experts then stream up to a tenth slower than from
+huge pages. With it, fault-time reads come in 2 MB units (what is read stays in the page cache for the tensors
+around it).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ fp8 weights by AMX tiles (activations rounded to bf16) from amx_min_tokens() tok
 avx512 otherwise. avx512bf16 runs bf16 and fp8 weights on the GEMV path with bf16 dot products
 (activations rounded to bf16) from Matrix.bf16_dot_min_tokens tokens per expert (1 fp8, 4 bf16; 1 for bf16 rows
 of 4 KB and more), and as avx512 otherwise; avx2bf16 emulates it on AVX2 to test it anywhere and is never chosen
-by itself. avx512bf16 is chosen on AMD CPUs only: on Zen 4 it ran the MoE 1.1-1.8x as fast as avx512 where it
-multiplies in bf16, on a Xeon (Emerald Rapids) 0.82-1.10x (docs/kernels.md).
+by itself. avx512bf16 is chosen on AMD CPUs only: on an Emerald Rapids Xeon it was no faster than avx512
+(docs/kernels.md, "ISA dispatch").
 HYBRIDMOE_NUM_THREADS sets the pool size (default: the CPUs this process may use). HYBRIDMOE_SPIN_US sets how long
 an idle worker spins for the next call before it sleeps (idle_spin_us; default 100 us): long enough to span the
 accelerator's work between two MoE layers, the workers need no wake-up and their CPUs stay awake, but a spinning

@@ -5,8 +5,8 @@ whole fp8 scale blocks / int groups / 32 dense columns): node n's threads comput
 columns of its range only, and the N partial [T, H] outputs are summed. No weight is duplicated: on a machine
 with several real nodes each shard is copied once at load into memory bound to its node, and the layer lets go
 of the original tensors (FusedMoE.owns_weights); with one node, or emulated nodes, shards are views of the weights.
-The copies are 2 MB-aligned and advised for transparent huge pages (one TLB entry per 2 MB of streamed weights:
-0-8% more decode bandwidth measured on the 1-node development machine). HYBRIDMOE_COPY_EXPERTS=1 asks for them on
+The copies are 2 MB-aligned and advised for transparent huge pages (one TLB entry per 2 MB of streamed weights;
+docs/kernels.md, "Weight formats"). HYBRIDMOE_COPY_EXPERTS=1 asks for them on
 one node too (the experts whole: zero-copy from the checkpoint traded for memory of the kernels' own, where
 the checkpoint's mapping does not get huge pages by itself; see hybridmoe.checkpoint.safetensors_reader), =0
 turns them off.
