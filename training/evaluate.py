@@ -5,7 +5,7 @@ Measured, all in float32 compute with transformers' DeepseekV3ForCausalLM as the
   - passkey retrieval accuracy (greedy, full KV cache) at 512, 1K and 2K tokens, classic and fortune filler;
   - greedy samples for text and chat prompts;
   - the FP8 copy's perplexity and passkey accuracy, its weights dequantised exactly per 128x128 block
-    (transformers' own CPU FP8 path mis-sizes partial blocks, see shared notes);
+    (transformers' own CPU FP8 path mis-sizes partial blocks);
   - when hybridmoe's engine imports, that it loads both directories and produces the same greedy tokens.
 Run: .venv/bin/python training/evaluate.py [--trials 50]
 """

@@ -178,10 +178,10 @@ VARIANTS["passkey_long_text"] = dict(
 )
 
 
-# Run 5 of the shipped model (MODEL_CARD.md, "A fifth round"; not shipped on its own): long rows only, on top of
-# passkey_long_text (its final weights, fresh optimiser): every row 768-2,100 tokens wide (passkey_long's were
-# 256-2,100, so most needles sat a few hundred tokens from their question), half of them passkey examples, at
-# passkey_long_text's low rate.
+# Run 5 of the shipped model (MODEL_CARD.md, "The 1K misses are ordering errors"; not shipped on its own): long
+# rows only, on top of passkey_long_text (its final weights, fresh optimiser): every row 768-2,100 tokens wide
+# (passkey_long's were 256-2,100, so most needles sat a few hundred tokens from their question), half of them
+# passkey examples, at passkey_long_text's low rate.
 VARIANTS["passkey_long_wide"] = dict(
     model=VARIANTS["passkey_long_text"]["model"],
     train={**VARIANTS["passkey_long"]["train"], "init_from": "passkey_long_text", "stream_seed": SEED + 7,
@@ -199,11 +199,11 @@ VARIANTS["passkey_long_wide_text"] = dict(
 )
 
 
-# Run 6 (MODEL_CARD.md, "A sixth round"; the shipped model until run 9): answer-only passkey rows on top of
-# passkey_long_wide (its final weights, fresh optimiser). In every passkey-heavy phase before it the greedy text fell into the passkey
-# prompt's wording, and every text phase after one gave back most of the retrieval won at 1K. Here the passkey
-# rows' prompt tokens (intro and filler) carry no loss, so they train retrieval alone, and the text rows beside
-# them restore the prose.
+# Run 6 (MODEL_CARD.md, "The prompt's own tokens were teaching the prose"; the shipped model until run 9):
+# answer-only passkey rows on top of passkey_long_wide (its final weights, fresh optimiser). In every passkey-heavy
+# phase before it the greedy text fell into the passkey prompt's wording, and every text phase after one gave back
+# most of the retrieval won at 1K. Here the passkey rows' prompt tokens (intro and filler) carry no loss, so they
+# train retrieval alone, and the text rows beside them restore the prose.
 VARIANTS["passkey_long_answers"] = dict(
     model=VARIANTS["passkey_long_wide"]["model"],
     train={**VARIANTS["passkey_long_wide"]["train"], "init_from": "passkey_long_wide", "stream_seed": SEED + 9,
@@ -212,8 +212,9 @@ VARIANTS["passkey_long_answers"] = dict(
 )
 
 
-# Tried, not shipped (MODEL_CARD.md, "A sixth round"): more of passkey_long_answers (its final weights, fresh
-# optimiser), the same rows with a new stream seed, as its retrieval at 1K rose until its decay. Stopped at step 500.
+# Tried, not shipped (MODEL_CARD.md, "The prompt's own tokens were teaching the prose"): more of
+# passkey_long_answers (its final weights, fresh optimiser), the same rows with a new stream seed, as its retrieval
+# at 1K rose until its decay. Stopped at step 500.
 VARIANTS["passkey_long_answers_more"] = dict(
     model=VARIANTS["passkey_long_answers"]["model"],
     train={**VARIANTS["passkey_long_answers"]["train"], "init_from": "passkey_long_answers", "stream_seed": SEED + 10,
@@ -221,8 +222,9 @@ VARIANTS["passkey_long_answers_more"] = dict(
 )
 
 
-# Run 7 (MODEL_CARD.md, "A sixth round"): more of passkey_long_answers at a third of its rate (its final weights,
-# fresh optimiser), so that the fresh optimiser's first steps cost less of what it had won.
+# Run 7 (MODEL_CARD.md, "The prompt's own tokens were teaching the prose"): more of passkey_long_answers at a third
+# of its rate (its final weights, fresh optimiser), so that the fresh optimiser's first steps cost less of what it
+# had won.
 VARIANTS["passkey_long_answers_low"] = dict(
     model=VARIANTS["passkey_long_answers"]["model"],
     train={**VARIANTS["passkey_long_answers"]["train"], "init_from": "passkey_long_answers", "stream_seed": SEED + 11,
@@ -230,10 +232,10 @@ VARIANTS["passkey_long_answers_low"] = dict(
 )
 
 
-# Run 8 (MODEL_CARD.md, "A seventh round"): more of passkey_long_answers_low, from its final weights and its AdamW
-# moments (no fresh-optimiser dip), with 65% of the rows answer-only passkey examples: the answer-only loss leaves
-# the prose alone, so retrieval can take a larger share of each step. Steps 0-1,199 ran under an 1,800-step
-# schedule, equal to this one's there.
+# Run 8 (MODEL_CARD.md, "The optimiser carried over"): more of passkey_long_answers_low, from its final weights and
+# its AdamW moments (no fresh-optimiser dip), with 65% of the rows answer-only passkey examples: the answer-only
+# loss leaves the prose alone, so retrieval can take a larger share of each step. Steps 0-1,199 ran under an
+# 1,800-step schedule, equal to this one's there.
 VARIANTS["passkey_long_answers_carry"] = dict(
     model=VARIANTS["passkey_long_answers_low"]["model"],
     train={**VARIANTS["passkey_long_answers_low"]["train"], "init_from": "passkey_long_answers_low",
@@ -241,9 +243,10 @@ VARIANTS["passkey_long_answers_carry"] = dict(
            "mixed_row_shares_long": {"text": 0.35, "passkey": 0.65}},
 )
 
-# Run 9 (MODEL_CARD.md, "A seventh round"): passkey_long_answers_carry's weights and AdamW moments where it stopped
-# (step 2,700: `--stop-after 2700`), 250 steps with the answer's end scored too. In the answer-only rows of runs 6-8 the "." after the fifth digit carried no
-# loss, and run 8 retrieves the five digits at 1K almost always but often writes the last one twice.
+# Run 9 (MODEL_CARD.md, "The optimiser carried over"): passkey_long_answers_carry's weights and AdamW moments where
+# it stopped (step 2,700: `--stop-after 2700`), 250 steps with the answer's end scored too. In the answer-only rows
+# of runs 6-8 the "." after the fifth digit carried no loss, and run 8 retrieves the five digits at 1K almost
+# always but often writes the last one twice.
 VARIANTS["passkey_long_answers_end"] = dict(
     model=VARIANTS["passkey_long_answers_carry"]["model"],
     train={**VARIANTS["passkey_long_answers_carry"]["train"], "init_from": "passkey_long_answers_carry",
