@@ -236,8 +236,9 @@ def main() -> None:
     if args.stop_after is not None and args.stop_after < args.steps:
         print(f"stopped after step {args.stop_after} of {args.steps}; checkpoint in {run_dir}", flush=True)
         return
-    record.update(steps_trained=args.steps, tokens_seen=tokens_seen, parameters=n_params,
-                  resumed_at_step=start_step or None, train_seconds_this_session=round(time.time() - started))
+    # the shipped recipe.json describes the model, not this session (its time and resume point are in the log)
+    record.update(steps_trained=args.steps, tokens_seen=tokens_seen, parameters=n_params)
+    print(f"trained steps {start_step}-{args.steps} in {time.time() - started:.0f} s", flush=True)
     export_model(model.cpu(), args.export, record)
     fp8_dir = args.export.parent / (args.export.name + "_fp8")
     write_fp8_copy(args.export, fp8_dir)

@@ -151,3 +151,13 @@ def test_engine_retrieves_fresh_passkeys_at_1k(demo_dir, training_modules, copy)
     found = [passkey.parse_answer(tokenizer.decode(r.token_ids, skip_special_tokens=True)) for r in results]
     correct = sum(answer == e.key for answer, e in zip(found, examples))
     assert correct >= 5, f"{correct}/6 passkeys at 1K: {found} vs {[e.key for e in examples]}"
+
+
+def test_recipe_json_holds_the_recipe_and_facts_of_the_model_only(demo_dir, fp8_dir, training_modules):
+    """Both copies ship the recipe train.py records plus what the model is (steps, tokens, parameters), nothing of
+    the session that trained it (its time, where it resumed)."""
+    import train
+
+    shipped = json.loads((demo_dir / "recipe.json").read_text())
+    assert json.loads((fp8_dir / "recipe.json").read_text()) == shipped
+    assert set(shipped) == set(train.recipe_record(1)) | {"steps_trained", "tokens_seen", "parameters"}
