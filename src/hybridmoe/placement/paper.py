@@ -98,7 +98,7 @@ def fit_dispatch_us(target: float = FP8_DECODE_TOK_S) -> float:
 
 
 def comparison() -> list[Figure]:
-    """The paper's figures and our predictions, in the order of the README table."""
+    """The paper's figures and our predictions, in the order of the table in docs/benchmarks.md."""
     one = slp(32768, 1)
     two = slp(45056, 2)
     return [
