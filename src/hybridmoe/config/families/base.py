@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridmoe.config.fields import Fields
 from hybridmoe.config.model_config import ModelConfig
@@ -36,3 +37,6 @@ class Family:
     weights: WeightNames = field(default_factory=WeightNames)
     # packaged configs (placement/data/models/<first name>/config.json), each with the names it answers to
     packaged: tuple[tuple[str, ...], ...] = ()
+    # config.json fields of a tiny random-weight model (checkpoint.synthetic: the tests' models, `profile`'s
+    # minimal-width copies), small enough to build in a moment, each feature the parser reads switched on
+    tiny: dict[str, Any] = field(default_factory=dict, compare=False)

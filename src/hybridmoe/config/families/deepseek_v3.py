@@ -66,4 +66,13 @@ FAMILY = Family(
                         shared_experts_prefix="mlp.shared_experts"),
     packaged=(("deepseek-v3", "deepseek-r1", "deepseek-v3-0324"),
               ("kimi-k2", "kimi-k2-instruct", "kimi-k2-base")),
+    tiny=dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5,
+        max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False,
+        # official checkpoints name the routing; transformers 5 omits it unless given
+        scoring_func="sigmoid", topk_method="noaux_tc",
+    ),
 )

@@ -32,4 +32,9 @@ FAMILY = Family(
     parse=parse,
     weights=WeightNames(moe_prefix="block_sparse_moe", expert_projections=("w1", "w3", "w2")),
     packaged=(("mixtral-8x7b", "mixtral-8x7b-v0.1", "mixtral-8x7b-instruct-v0.1"),),
+    tiny=dict(
+        vocab_size=320, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+        rope_theta=10000.0, sliding_window=None, tie_word_embeddings=False,
+    ),
 )

@@ -40,4 +40,10 @@ FAMILY = Family(
     parse=parse,
     weights=WeightNames(moe_prefix="mlp", expert_projections=("gate_proj", "up_proj", "down_proj")),
     packaged=(("qwen3-235b-a22b",), ("qwen3-30b-a3b",)),
+    tiny=dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=512,
+        rope_theta=10000.0, tie_word_embeddings=False,
+    ),
 )
