@@ -108,3 +108,10 @@ def test_each_packaged_model_parses_as_the_family_that_lists_it():
         for names in family.packaged:
             for name in names:
                 assert family_of(resolve_model(name)) is family, name
+
+
+def test_two_families_claiming_one_name_fail_at_import():
+    from hybridmoe.config.families import FAMILIES, _index
+
+    with pytest.raises(ValueError, match="'deepseek_v3' and 'qwen3_moe' both claim architecture 'X'"):
+        _index("architecture", [("X", FAMILIES[0]), ("X", FAMILIES[1])])

@@ -1,8 +1,8 @@
 """The model families, one module each, and the registry that lists them.
 
 A family module declares `FAMILY = Family(...)` (base.py): the HF architectures and model types it reads,
-its parser into ModelConfig, its checkpoint's weight names and its packaged models. Adding a family is one
-module here and one line in `FAMILY_MODULES` (see ARCHITECTURE.md, "Adding a model family").
+its parser into ModelConfig, its checkpoint's weight names, its packaged models and its tiny config. Adding a
+family is one module here and one line in `FAMILY_MODULES` (see ARCHITECTURE.md, "Adding a model family").
 """
 
 from __future__ import annotations
