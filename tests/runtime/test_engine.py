@@ -143,3 +143,61 @@ def test_a_small_step_leaves_the_callers_torch_threads_as_they_were(model_dir):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_prompt_that_cannot_be_served_fails_alone_in_generate(model_dir, alone):
+    """LLM(model=...) as vLLM names it; a refused prompt gets an error result and the others run, and nothing of
+    it is left in the engine."""
+    llm = LLM(model=model_dir, dtype="float32", block_size=4, max_model_len=64)
+    too_long = list(range(6, 66))  # 60 tokens + max_tokens 12 > 64
+    results = llm.generate([_prompts()[0], too_long, _prompts()[1], "", [], [1, 2, 100000]], GREEDY)
+    assert [r.finish_reason for r in results] == ["length", "error", "length", "error", "error", "error"]
+    assert [results[0].token_ids, results[2].token_ids] == alone[:2]
+    assert "prompt too long: 60 tokens + max_tokens 12 > max_model_len 64" in results[1].error
+    assert results[1].prompt_token_ids == too_long and results[1].token_ids == [] and results[1].text == ""
+    assert results[3].error == results[4].error == "the prompt is empty"
+    assert "token ids must be integers in [0, 320)" in results[5].error
+    assert results[0].error is None
+    assert not llm.engine.has_unfinished_requests() and llm.engine.step() == []
+
+
+def test_an_aborted_request_is_reported_once_by_the_next_step(model_dir):
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32"))
+    aborted = engine.add_request(_prompts()[0], GREEDY)
+    engine.abort_request(aborted)
+    assert engine.has_unfinished_requests()  # until its end is reported
+    assert [(o.req_id, o.finished, o.finish_reason) for o in engine.step()] == [(aborted, True, "abort")]
+    assert not engine.has_unfinished_requests() and engine.step() == []
+    survivor = engine.add_request(_prompts()[2], GREEDY)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.req_id for o in engine.step() if o.finished]
+    assert finished == [survivor]
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("kv_cache_gb", 0, "kv_cache_gb must be a number > 0"), ("kv_cache_gb", -1, "kv_cache_gb must be a number > 0"),
+    ("kv_cache_gb", float("nan"), "kv_cache_gb must be a number > 0"), ("kv_cache_gb", "1", "kv_cache_gb must be"),
+    ("block_size", 0, "block_size must be an integer >= 1, got 0"),
+    ("max_num_seqs", 2.5, "max_num_seqs must be an integer >= 1, got 2.5"),
+    ("max_num_batched_tokens", -8, "max_num_batched_tokens must be an integer >= 1"),
+    ("max_model_len", 0, "max_model_len must be an integer >= 1"),
+])
+def test_engine_options_are_checked_when_given(option, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{option: value})
+
+
+def test_a_kv_cache_larger_than_the_machine_is_refused_before_the_model_loads(tmp_path):
+    with pytest.raises(ValueError, match=r"kv_cache_gb=1e\+09 is more than this machine can hold: [\d.]+ GB of "
+                                         r"memory available \([\d.]+ GB in all"):
+        LLMEngine(tmp_path / "no-model-here", EngineConfig(kv_cache_gb=1e9))
+
+
+def test_a_kv_cache_smaller_than_one_block_is_refused(model_dir):
+    block_bytes = LLMEngine(model_dir, EngineConfig(dtype="float32")).model.kv_bytes_per_token() * 16
+    with pytest.raises(ValueError, match=rf"holds no KV block: one block of 16 tokens of this model takes "
+                                         rf"{block_bytes} bytes"):
+        LLMEngine(model_dir, EngineConfig(dtype="float32", kv_cache_gb=(block_bytes - 1) / 2**30))
+    one_block = LLMEngine(model_dir, EngineConfig(dtype="float32", kv_cache_gb=block_bytes / 2**30))
+    assert one_block.runner.num_blocks == 1 and one_block.max_model_len == 16

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 from tokenizers import Tokenizer as RustTokenizer
@@ -123,3 +124,25 @@ def test_broken_generation_config_names_the_file(tokenizer_dir):
     (tokenizer_dir / "generation_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="generation_config.json is not valid JSON"):
         load_tokenizer(tokenizer_dir)
+
+
+def test_a_text_longer_than_model_max_length_encodes_without_transformers_warning(tokenizer_dir):
+    """Lengths are the engine's to judge (against the model and the KV cache, with its own error); transformers'
+    "indexing errors" warning about the tokenizer's model_max_length would only precede that error."""
+    config_path = tokenizer_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["model_max_length"] = 8
+    config_path.write_text(json.dumps(config))
+    tok = load_tokenizer(tokenizer_dir)
+    assert tok.hf_tokenizer.model_max_length == 8
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    transformers_logger = logging.getLogger("transformers")  # its own handler, not propagated to pytest's
+    transformers_logger.addHandler(handler)
+    try:
+        ids = tok.encode(TEXT * 4)
+    finally:
+        transformers_logger.removeHandler(handler)
+    assert len(ids) > 8 and tok.decode(ids) == TEXT * 4
+    assert [r.getMessage() for r in records] == []

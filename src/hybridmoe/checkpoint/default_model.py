@@ -1,6 +1,7 @@
 """Where `hybridmoe demo` (and the other commands, when no --model is given) find their model.
 
-The trained demo model shipped in hybridmoe/assets/demo_model is the default. Without it, a small
+The trained demo model shipped in hybridmoe/assets/demo_model is the default; the name `demo` (`--model demo`,
+`LLM("demo")`) means it too. Without it, a small
 DeepSeek-V3-architecture model with deterministic random weights is generated once into the user cache
 (HYBRIDMOE_CACHE, else $XDG_CACHE_HOME/hybridmoe, else ~/.cache/hybridmoe).
 """
@@ -20,6 +21,17 @@ RANDOM_MODEL_CONFIG = dict(
     topk_group=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=128,
     qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, max_position_embeddings=4096,
 )
+
+
+DEMO_MODEL_NAME = "demo"
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    """A model argument -> its directory: None or `demo` is the embedded demo model (default_model_dir), anything
+    else a local model directory (./demo names a directory called demo)."""
+    if model is None or (isinstance(model, str) and model == DEMO_MODEL_NAME):
+        return default_model_dir()
+    return Path(model)
 
 
 def cache_dir() -> Path:

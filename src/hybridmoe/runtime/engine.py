@@ -2,20 +2,26 @@
 
 Each `step()` asks the scheduler which requests run how many tokens, runs them as one batched forward over the
 paged KV cache, samples a token for every request that reached the end of its known tokens, detokenises
-incrementally (stop strings), and reports what changed. A request that fails validation is refused with a
-clear error at `add_request`; a failure inside a step ends only the requests of that step, with the error
-recorded, and the engine keeps serving the others.
+incrementally (stop strings), and reports what changed. Engine options are checked before the model loads
+(`EngineConfig`, and the KV cache against the memory this machine has available). A request that fails validation
+is refused with a clear error at `add_request`; a failure inside a step ends only the requests of that step, with
+the error recorded, and the engine keeps serving the others. Every request that was added is reported finished
+exactly once (an aborted one by the next `step()`; `has_unfinished_requests()` stays true until then).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import os
 import time
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from pathlib import Path
 
 import torch
 
+from hybridmoe.checkpoint.default_model import resolve_model_dir
 from hybridmoe.config import load_config
 from hybridmoe.models.loader import load_model, resolve_dtype
 from hybridmoe.runtime.block_manager import BlockManager
@@ -38,6 +44,38 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (decode tokens first, then prefill chunks)
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped by the cache
 
+    def __post_init__(self) -> None:
+        value = self.kv_cache_gb
+        if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"kv_cache_gb must be a number > 0 (GB of memory for the KV cache), got {value!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if value is None and name == "max_model_len":
+                continue
+            if not isinstance(value, Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def memory_bytes() -> tuple[int, int]:
+    """(available, total) bytes of this machine's memory: /proc/meminfo's MemAvailable and MemTotal (else sysconf's
+    free and physical pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.strip()}
+        return fields["MemAvailable"], fields["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def check_kv_cache_fits(kv_cache_gb: float) -> None:
+    """Raise ValueError when kv_cache_gb (GB of 2**30 bytes) is more than the memory this machine has available."""
+    available, total = memory_bytes()
+    if kv_cache_gb * 2**30 > available:
+        raise ValueError(f"kv_cache_gb={kv_cache_gb:g} is more than this machine can hold: "
+                         f"{available / 2**30:.1f} GB of memory available ({total / 2**30:.1f} GB in all, "
+                         f"GB = 2**30 bytes); choose a smaller kv_cache_gb")
+
 
 @dataclass
 class RequestOutput:
@@ -56,13 +94,19 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, show_progress: bool | None = None):
+        """model_dir: a local Hugging Face model directory, or `demo` (the embedded demo model)."""
         self.config = cfg = config or EngineConfig()
-        self.model_dir = Path(model_dir)
+        check_kv_cache_fits(cfg.kv_cache_gb)
+        self.model_dir = model_dir = resolve_model_dir(model_dir)
         self.model_config = load_config(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(model_dir, resolve_dtype(cfg.dtype), cfg.expert_backend,
                                 config=self.model_config, show_progress=show_progress)
         num_blocks = ModelRunner.blocks_for_memory(self.model, int(cfg.kv_cache_gb * 2**30), cfg.block_size)
+        if num_blocks == 0:
+            block_bytes = self.model.kv_bytes_per_token() * cfg.block_size
+            raise ValueError(f"kv_cache_gb={cfg.kv_cache_gb:g} holds no KV block: one block of {cfg.block_size} "
+                             f"tokens of this model takes {block_bytes} bytes ({block_bytes / 2**30:.3g} GB)")
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
         wanted = cfg.max_model_len or self.model_config.max_position_embeddings
         cache_tokens = num_blocks * cfg.block_size
@@ -81,6 +125,8 @@ class LLMEngine:
                     req_id: str | None = None) -> str:
         """Queue a prompt (text, or token ids); raises ValueError with the reason when it cannot be served."""
         params = params or SamplingParams()
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
@@ -103,7 +149,8 @@ class LLMEngine:
             self.scheduler.abort_request(req_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request runs or waits, or has finished without being reported yet (aborted)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._states)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns an output for every request that produced tokens or finished."""

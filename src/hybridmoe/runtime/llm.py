@@ -1,4 +1,4 @@
-"""The offline Python API: `LLM(model_dir).generate(prompts, sampling_params)` and `.chat(messages)`."""
+"""The offline Python API: `LLM(model).generate(prompts, sampling_params)` and `.chat(messages)`."""
 
 from __future__ import annotations
 
@@ -17,39 +17,41 @@ class GenerationResult:
     prompt_token_ids: list[int]
     token_ids: list[int]  # the generated ids
     text: str
-    finish_reason: str | None
+    finish_reason: str | None  # "stop" | "length" | "error" (the request could not be served, or failed)
     error: str | None = None
 
 
 class LLM:
-    def __init__(self, model_dir: str | Path, dtype: str = "auto", **engine_options):
-        self.engine = LLMEngine(model_dir, EngineConfig(dtype=dtype, **engine_options))
+    def __init__(self, model: str | Path, dtype: str = "auto", **engine_options):
+        """model: a local Hugging Face model directory, or `demo` (the embedded demo model). engine_options: the
+        fields of EngineConfig (block_size, kv_cache_gb, max_num_seqs, max_num_batched_tokens, max_model_len,
+        expert_backend)."""
+        self.engine = LLMEngine(model, EngineConfig(dtype=dtype, **engine_options))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
-        """One result per prompt (a string or a list of token ids), in order; all prompts run batched."""
+        """One result per prompt (a string or a list of token ids), in order; all prompts run batched. A prompt
+        that cannot be served (too long for the context, empty, ids outside the vocabulary) fails alone: its
+        result has finish_reason "error" and the reason in `error`, and the other prompts run."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        req_ids = []
-        try:
-            for prompt, p in zip(prompts, params):
-                req_ids.append(self.engine.add_request(prompt, p or SamplingParams()))
-        except ValueError:
-            for req_id in req_ids:
-                self.engine.abort_request(req_id)
-            self._drain()
-            raise
+        slots: list[str | GenerationResult] = []  # per prompt: its request id, or the result of a refused one
+        for prompt, p in zip(prompts, params):
+            try:
+                slots.append(self.engine.add_request(prompt, p or SamplingParams()))
+            except ValueError as error:
+                slots.append(GenerationResult(self._prompt_ids(prompt), [], "", "error", str(error)))
         results = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
                     results[out.req_id] = GenerationResult(out.prompt_token_ids, out.token_ids, out.text,
                                                            out.finish_reason, out.error)
-        return [results[r] for r in req_ids]
+        return [results[slot] if isinstance(slot, str) else slot for slot in slots]
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | None = None) -> list[GenerationResult]:
@@ -58,6 +60,8 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, sampling_params)
 
-    def _drain(self) -> None:
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """The token ids of a refused prompt, as far as they can be read."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)

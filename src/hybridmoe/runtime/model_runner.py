@@ -41,8 +41,8 @@ class ModelRunner:
 
     @staticmethod
     def blocks_for_memory(model: MoEDecoderModel, kv_cache_bytes: int, block_size: int) -> int:
-        """How many KV blocks fit in kv_cache_bytes."""
-        return max(1, kv_cache_bytes // (model.kv_bytes_per_token() * block_size))
+        """How many whole KV blocks fit in kv_cache_bytes (0 when not one does)."""
+        return kv_cache_bytes // (model.kv_bytes_per_token() * block_size)
 
     def forward(self, chunks: list[SequenceChunk], all_logits: bool = False) -> torch.Tensor:
         """-> logits [S, V] for the last new token of each chunk (or [T, V] for every token) in float32."""

@@ -38,7 +38,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"Tokenizer.encode: text must be a str, got {type(text).__name__}")
-        return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        # verbose=False: no "indexing errors" warning from transformers for a text longer than the tokenizer's
+        # model_max_length; the engine judges lengths itself, against the model and the KV cache
+        return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ids, verbatim (no clean-up of spaces around punctuation)."""
