@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import os
 import re
@@ -10,7 +11,9 @@ import sys
 
 import pytest
 
-from hybridmoe.cli import main
+from hybridmoe.checkpoint.default_model import default_model_dir, resolve_model_dir
+from hybridmoe.cli import build_parser, main
+from hybridmoe.runtime.tokenizer import load_tokenizer
 
 SPEED_LINE = re.compile(r"prompt tokens: \d+ \| output tokens: \d+ \| time to first token: [\d.]+ s \| "
                         r"prefill: [\d.]+ tok/s \| decode: [\d.]+ tok/s")
@@ -39,6 +42,39 @@ def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path, tiny_model_dir, ca
     model = str(tiny_model_dir("mixtral"))
     assert main(["generate", "--model", model, "--prompt", "hi", "--top-p", "1.5"]) == 2
     assert "top_p" in capsys.readouterr().err
+
+
+def test_the_demo_model_is_the_default_model_and_named_demo(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDMOE_CACHE", str(tmp_path))  # the random fallback, if the trained model is absent
+    demo = default_model_dir()
+    assert resolve_model_dir("demo") == resolve_model_dir(None) == demo
+    for argv in (["generate", "--prompt", "x"], ["chat"], ["demo"], ["quantize", "--to", "int4", "--out", "o"]):
+        assert build_parser().parse_args(argv).model == "demo"
+    prompt = "A man was reading"
+    assert main(["generate", "--prompt", prompt, "--max-tokens", "2"]) == 0
+    assert f"prompt tokens: {len(load_tokenizer(demo).encode(prompt))} |" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/exit\n"))
+    assert main(["chat", "--model", "demo", "--max-tokens", "2"]) == 0
+    assert len(SPEED_LINE.findall(capsys.readouterr().err)) == 1
+    assert main(["plan", "--model", "demo", "--vram", "24GB", "--hardware", "rtx4090,epyc-genoa-2s"]) == 0
+    assert capsys.readouterr().out.startswith(f"Plan: {demo.name} on rtx4090+epyc-genoa-2s")
+
+
+def test_engine_options_and_empty_prompts_are_error_lines(tiny_model_dir, capsys):
+    model = str(tiny_model_dir("deepseek_v3"))
+    for flags, message in ((["--kv-cache-gb", "100000"], "error: kv_cache_gb=100000 is more than this machine can "
+                                                         "hold: "),
+                           (["--kv-cache-gb", "-1"], "error: kv_cache_gb must be a number > 0"),
+                           (["--prompt", ""], "error: the prompt is empty")):
+        assert main(["generate", "--model", model, "--prompt", "hi", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_version_is_the_installed_packages():
+    result = subprocess.run([sys.executable, "-m", "hybridmoe.cli", "--version"], capture_output=True, text=True,
+                            timeout=120)
+    assert (result.returncode, result.stdout) == (0, f"hybridmoe {importlib.metadata.version('hybridmoe')}\n")
 
 
 @pytest.mark.slow

@@ -12,11 +12,12 @@ import os
 import pkgutil
 import sys
 
-from hybridmoe import commands
+from hybridmoe import __version__, commands
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridmoe", description="CPU-GPU hybrid MoE inference engine")
+    parser.add_argument("--version", action="version", version=f"hybridmoe {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):  # shared helpers, not commands

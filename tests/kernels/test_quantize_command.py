@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -61,11 +62,35 @@ def test_quantize_from_fp8_dequantises_exactly_first(tiny_model_dir, tmp_path):
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
 
 
-def test_refuses_a_checkpoint_without_experts_or_already_quantised(tmp_path, tiny_model_dir):
+def test_refusals_are_error_lines_and_the_output_is_replaced_only_on_request(tmp_path, tiny_model_dir, capsys):
     src = tiny_model_dir("deepseek_v3")
-    with pytest.raises(SystemExit, match="--out must differ"):
-        main(["quantize", "--model", str(src), "--to", "int4", "--out", str(src)])
+    assert main(["quantize", "--model", str(src), "--to", "int4", "--out", str(src)]) == 2
+    assert "error: --out" in capsys.readouterr().err
     quantised = tmp_path / "q"
-    main(["quantize", "--model", str(src), "--to", "int4", "--out", str(quantised), "--samples", "1"])
-    with pytest.raises(SystemExit, match="already quantised"):
-        main(["quantize", "--model", str(quantised), "--to", "int8", "--out", str(tmp_path / "again")])
+    assert main(["quantize", "--model", str(src), "--to", "int4", "--out", str(quantised), "--samples", "1"]) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {f.name: f.stat().st_mode & 0o777 for f in quantised.iterdir()} == {
+        f.name: 0o666 & ~umask for f in src.iterdir()}  # the source's files, as the umask lets the user write them
+    assert quantised.stat().st_mode & 0o777 == 0o777 & ~umask
+    assert [p.name for p in tmp_path.iterdir()] == ["q"]  # no partial copy left beside it
+    capsys.readouterr()
+    assert main(["quantize", "--model", str(quantised), "--to", "int8", "--out", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {quantised}: experts are already quantised") and "Traceback" not in err
+    assert not (tmp_path / "again").exists()
+
+    (quantised / "stale.txt").write_text("from an earlier run")
+    assert main(["quantize", "--model", str(src), "--to", "int8", "--out", str(quantised), "--samples", "1"]) == 2
+    assert f"error: --out {quantised} already exists; pass --overwrite" in capsys.readouterr().err
+    assert json.loads((quantised / "config.json").read_text())["expert_quantization"]["method"] == "int4"
+    assert main(["quantize", "--model", str(src), "--to", "int8", "--out", str(quantised), "--samples", "1",
+                 "--overwrite"]) == 0
+    assert json.loads((quantised / "config.json").read_text())["expert_quantization"]["method"] == "int8"
+    assert not (quantised / "stale.txt").exists()
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("not a model")
+    assert main(["quantize", "--model", str(src), "--to", "int8", "--out", str(notes), "--overwrite"]) == 2
+    assert "not a model directory" in capsys.readouterr().err and (notes / "todo.txt").exists()

@@ -11,11 +11,15 @@ from hybridmoe.runtime.engine import EngineConfig, LLMEngine
 from hybridmoe.runtime.sampling_params import SamplingParams
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
-    parser.add_argument("--model", required=model_required, help="Hugging Face model directory (local)")
+MODEL_HELP = "a local Hugging Face model directory, or demo (the default): the embedded demo model"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, kv_cache_gb: float = 1.0) -> None:
+    parser.add_argument("--model", default="demo", help=MODEL_HELP)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                         help="compute dtype (auto: bfloat16 where the hardware has it natively, else float32)")
-    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
+    parser.add_argument("--kv-cache-gb", type=float, default=kv_cache_gb,
+                        help=f"GB (2**30 bytes) of memory for the paged KV cache (default {kv_cache_gb:g})")
     parser.add_argument("--expert-backend", default="cpu", choices=["cpu", "torch"],
                         help="routed experts on the C++ CPU kernels (default) or the plain-torch reference")
 
@@ -40,9 +44,10 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def build_engine(model_dir, args: argparse.Namespace) -> LLMEngine:
-    return LLMEngine(model_dir, EngineConfig(dtype=args.dtype, kv_cache_gb=args.kv_cache_gb,
-                                             expert_backend=args.expert_backend))
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    """The engine for args.model (a directory, or demo), with the engine flags of add_model_arguments."""
+    return LLMEngine(args.model, EngineConfig(dtype=args.dtype, kv_cache_gb=args.kv_cache_gb,
+                                              expert_backend=args.expert_backend))
 
 
 @dataclass

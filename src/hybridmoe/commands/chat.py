@@ -1,4 +1,5 @@
-"""`hybridmoe chat --model DIR`: an interactive conversation using the model's chat template."""
+"""`hybridmoe chat [--model DIR]`: an interactive conversation using the model's chat template (default model: the
+embedded demo model)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     params = sampling_params(args)
-    engine = build_engine(args.model, args)
+    engine = build_engine(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:

@@ -1,4 +1,5 @@
-"""`hybridmoe generate --model DIR --prompt TEXT`: stream a completion and report its speed."""
+"""`hybridmoe generate [--model DIR] --prompt TEXT`: stream a completion and report its speed (default model: the
+embedded demo model)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     params = sampling_params(args)
-    engine = build_engine(args.model, args)
+    engine = build_engine(args)
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])

@@ -1,8 +1,9 @@
 """`hybridmoe plan`: print where every part of a model goes for a VRAM budget, before anything is loaded.
 
 The machine comes from a measured profile (`--profile`, default: the one `hybridmoe profile` saved) or from
-reference profiles (`--hardware rtx4090,epyc-genoa-2s`). The model is a directory with config.json or the name
-of a packaged config (deepseek-v3, kimi-k2, qwen3-235b-a22b, qwen3-30b-a3b, mixtral-8x7b).
+reference profiles (`--hardware rtx4090,epyc-genoa-2s`). The model is a directory with config.json, the name
+of a packaged config (deepseek-v3, kimi-k2, qwen3-235b-a22b, qwen3-30b-a3b, mixtral-8x7b) or `demo` (the embedded
+demo model).
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def parse_ints(text: str, what: str) -> tuple[int, ...]:
     return values
 
 
+def model_argument(model: str) -> str:
+    """--model as the planner reads it: `demo` is the embedded demo model's directory."""
+    from hybridmoe.checkpoint.default_model import DEMO_MODEL_NAME, default_model_dir
+
+    return str(default_model_dir()) if model == DEMO_MODEL_NAME else model
+
+
 def resolve_hardware(profile: str | None, hardware: str | None) -> str:
     """The hardware description to plan for: --hardware, else --profile, else the saved default profile."""
     if hardware and profile:
@@ -50,7 +58,8 @@ def resolve_hardware(profile: str | None, hardware: str | None) -> str:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="print the placement plan of a model for a VRAM budget")
-    p.add_argument("--model", required=True, help="model directory or packaged name (e.g. deepseek-v3)")
+    p.add_argument("--model", required=True,
+                   help="model directory, packaged name (e.g. deepseek-v3) or demo (the embedded demo model)")
     p.add_argument("--vram", help="VRAM budget, e.g. 24GB (default: the whole GPU)")
     p.add_argument("--profile", help=f"measured hardware profile (default: {DEFAULT_PROFILE})")
     p.add_argument("--hardware", help="reference profiles instead, e.g. rtx4090,epyc-genoa-2s")
@@ -76,7 +85,8 @@ def run(args) -> int:
 
     try:
         hardware = resolve_hardware(args.profile, args.hardware)
-        spec = ModelSpec(resolve_model(args.model), Path(args.model).name.lower())
+        model = model_argument(args.model)
+        spec = ModelSpec(resolve_model(model), Path(model).name.lower())
         routing = RoutingStats.from_json(args.routing) if args.routing else None
         planner = Planner(spec, machine(hardware, gpus=args.gpus), parse_size(args.vram) if args.vram else None,
                           expert_format=args.experts, dense_format=args.dense, context=args.context,

@@ -1,12 +1,14 @@
-"""`hybridmoe quantize --model DIR --to int4|int8 [--group 32|128] --out DIR2`: routed-expert weights -> int4 or
-int8 per group for the CPU kernels.
+"""`hybridmoe quantize [--model DIR] --to int4|int8 [--group 32|128] --out DIR2 [--overwrite]`: routed-expert
+weights -> int4 or int8 per group for the CPU kernels (default model: the embedded demo model).
 
 Reads BF16/FP16/FP32 or FP8 (block-scaled, dequantised exactly) expert weights from a checkpoint directory and
 writes a copy in which every routed-expert projection (`...experts.N.{gate,up,down}_proj.weight`, Mixtral's
 `w1/w3/w2`) is replaced by its int codes under the same name (int4: uint8 [N, Kp/2], two codes per byte; int8:
 int8 [N, Kp]; layout in hybridmoe.kernels.formats) plus `<name>_scale` (bfloat16/float16 [N, Kp/g]). Everything
 else (attention, shared experts, norms, FP8 non-expert tensors and their scales) is copied unchanged, shard by
-shard. config.json gains `expert_quantization` = {"method", "group_size", "scale_dtype", "layout"}.
+shard. config.json gains `expert_quantization` = {"method", "group_size", "scale_dtype", "layout"}. The copy is
+written next to DIR2 and moved into place when complete, its files readable as the umask allows; an existing DIR2
+is replaced only with --overwrite (and only when it is a model directory or empty).
 
 Afterwards it reports the error of expert outputs, computed by the CPU kernels from the written int weights,
 against the source weights in float64, on random sample activations for a sample of experts.
@@ -17,9 +19,11 @@ Legend: N output rows, K input columns, Kp K padded to whole groups, g group siz
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -33,12 +37,15 @@ SCALE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("quantize", help="convert routed-expert weights to int4/int8 for the CPU kernels")
-    p.add_argument("--model", required=True, help="source checkpoint directory (BF16/FP16/FP32 or FP8)")
+    p.add_argument("--model", default="demo",
+                   help="source checkpoint directory (BF16/FP16/FP32 or FP8), or demo (the default): the embedded "
+                        "demo model")
     p.add_argument("--to", required=True, choices=("int4", "int8"), help="target expert format")
     p.add_argument("--group", type=int, default=32, choices=(32, 128), help="columns per scale (default 32)")
     p.add_argument("--scale-dtype", default="bfloat16", choices=tuple(SCALE_DTYPES), help="scale dtype")
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.add_argument("--samples", type=int, default=8, help="experts whose outputs are checked (default 8)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (a model directory)")
     p.set_defaults(func=run)
 
 
@@ -68,29 +75,75 @@ def source_weight(reader, name: str, block: tuple[int, int]) -> torch.Tensor:
 
 
 def run(args) -> int:
-    from rich.progress import Progress
-    from safetensors.torch import save_file
-
+    from hybridmoe.checkpoint.default_model import resolve_model_dir
     from hybridmoe.checkpoint.fp8 import SCALE_SUFFIX
     from hybridmoe.checkpoint.safetensors_reader import CheckpointReader
     from hybridmoe.config import load_config
     from hybridmoe.kernels import formats
 
-    src, dst = Path(args.model), Path(args.out)
+    src, dst = resolve_model_dir(args.model), Path(args.out)
     if src.resolve() == dst.resolve():
-        raise SystemExit("--out must differ from --model")
+        raise ValueError(f"--out {dst} must differ from --model")
+    _check_out(dst, args.overwrite)
     config = load_config(src)
     if config.raw.get("expert_quantization"):
-        raise SystemExit(f"{src}: experts are already quantised ({config.raw['expert_quantization']})")
+        raise ValueError(f"{src}: experts are already quantised ({config.raw['expert_quantization']}); "
+                         "quantize reads BF16/FP16/FP32 or FP8 experts")
     block = config.quantization.block_size if config.quantization else (128, 128)
     reader = CheckpointReader(src)
     experts = expert_names(reader.names())
     if not experts:
-        raise SystemExit(f"{src}: no routed-expert weights found (names like ...experts.N.gate_proj.weight)")
-    expert_tensors = {name for triple in experts.values() for name in triple}
+        raise ValueError(f"{src}: no routed-expert weights found (names like ...experts.N.gate_proj.weight)")
     quantize = formats.quantize_int4 if args.to == "int4" else formats.quantize_int8
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        source_bytes, written_bytes, weight_map = _write_copy(reader, staging, experts, quantize, block, args,
+                                                              SCALE_SUFFIX)
+        _write_metadata(src, staging, weight_map, args)
+        _readable_as_umask_allows(staging)
+        if dst.exists():
+            shutil.rmtree(dst)  # _check_out allowed it: --overwrite of a model directory (or an empty one)
+        staging.rename(dst)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(f"wrote {dst}: {len(experts)} experts, {source_bytes / 2**20:.1f} MiB of expert weights -> "
+          f"{written_bytes / 2**20:.1f} MiB ({args.to}, group {args.group}, {args.scale_dtype} scales)")
+    _report_error(reader, CheckpointReader(dst), experts, args, block)
+    return 0
+
+
+def _check_out(dst: Path, overwrite: bool) -> None:
+    if not dst.exists():
+        return
+    if not dst.is_dir():
+        raise ValueError(f"--out {dst} exists and is not a directory")
+    if any(dst.iterdir()):
+        if not overwrite:
+            raise ValueError(f"--out {dst} already exists; pass --overwrite to replace it")
+        if not (dst / "config.json").is_file():
+            raise ValueError(f"--out {dst} is not a model directory (no config.json): not replacing it")
+
+
+def _readable_as_umask_allows(directory: Path) -> None:
+    """safetensors writes its files 0600 and mkdtemp makes its directory 0700: give them the modes of files the
+    user's umask makes (0644 and 0755 under umask 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for item in directory.iterdir():
+        item.chmod(0o666 & ~umask)
+
+
+def _write_copy(reader, dst: Path, experts, quantize, block, args,
+                scale_suffix: str) -> tuple[int, int, dict[str, str]]:
+    """Every shard of the source, its expert weights quantised, into dst; -> (source, written) expert bytes and the
+    weight map (tensor name -> file name)."""
+    from rich.progress import Progress
+    from safetensors.torch import save_file
+
+    expert_tensors = {name for triple in experts.values() for name in triple}
     scale_dtype = SCALE_DTYPES[args.scale_dtype]
-    dst.mkdir(parents=True, exist_ok=True)
 
     by_file: dict[Path, list[str]] = {}
     for name in reader.names():
@@ -102,7 +155,7 @@ def run(args) -> int:
         for file, names in by_file.items():
             tensors: dict[str, torch.Tensor] = {}
             for name in names:
-                if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in expert_tensors:
+                if name.endswith(scale_suffix) and name[: -len(scale_suffix)] in expert_tensors:
                     source_bytes += reader.entry(name).nbytes
                     continue  # the FP8 block scale of an expert weight: replaced by the int group scales
                 if name in expert_tensors:
@@ -115,11 +168,7 @@ def run(args) -> int:
                     tensors[name] = reader.get(name).clone()
             save_file(tensors, str(dst / file.name), metadata={"format": "pt"})
             weight_map.update({name: file.name for name in tensors})
-    _write_metadata(src, dst, weight_map, args)
-    print(f"wrote {dst}: {len(experts)} experts, {source_bytes / 2**20:.1f} MiB of expert weights -> "
-          f"{written_bytes / 2**20:.1f} MiB ({args.to}, group {args.group}, {args.scale_dtype} scales)")
-    _report_error(reader, CheckpointReader(dst), experts, args, block)
-    return 0
+    return source_bytes, written_bytes, weight_map
 
 
 def _write_metadata(src: Path, dst: Path, weight_map: dict[str, str], args) -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="predict TTFT and decode speed on other hardware")
-    p.add_argument("--model", help="packaged model name or model directory (e.g. deepseek-v3)")
+    p.add_argument("--model", help="packaged model name (e.g. deepseek-v3), model directory or demo (the embedded "
+                                   "demo model)")
     p.add_argument("--hardware", help="profiles: a GPU and a CPU, e.g. rtx5090,epyc-genoa-2s (or a JSON path)")
     p.add_argument("--gpus", type=int, help="GPUs for distributed stream-loading (default 1)")
     p.add_argument("--formats", default="fp8,int4", help="routed-expert formats (default fp8,int4)")
@@ -27,7 +28,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from hybridmoe.commands.plan import parse_ints
+    from hybridmoe.commands.plan import model_argument, parse_ints
     from hybridmoe.config import ConfigError
     from hybridmoe.placement.hardware import ProfileError
     from hybridmoe.placement.planner import PlanError
@@ -46,7 +47,7 @@ def run(args) -> int:
             return 0
         if not args.model or not args.hardware:
             raise ValueError("--model and --hardware are required (or --paper)")
-        sim = Simulation(args.model, args.hardware, args.gpus, args.dense)
+        sim = Simulation(model_argument(args.model), args.hardware, args.gpus, args.dense)
         formats = tuple(f.strip().lower() for f in args.formats.split(",") if f.strip())
         records = sim.run(formats, parse_ints(args.prompts, "--prompts"), longest=not args.no_longest)
     except (ValueError, ConfigError, ProfileError, PlanError, RuntimeError) as e:
