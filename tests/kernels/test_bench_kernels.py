@@ -15,13 +15,16 @@ from hybridmoe.kernels import isa, numa
 
 
 @pytest.mark.slow
-def test_bench_writes_the_report(tmp_path, monkeypatch):
+def test_bench_writes_the_report(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "SHAPES", {"tiny": (256, 96, 16, 4)})
     monkeypatch.setattr(bench, "QUICK_TOKENS", {"tiny": (1, 9)})
     monkeypatch.setattr(bench, "POOL_BYTES", {True: 4 << 20, False: 4 << 20})  # 4 MiB: 2 or 3 layers of 16
     monkeypatch.setattr(bench, "CACHE_MULTIPLE", 0)
     out = tmp_path / "kernels.json"
     assert bench.run(argparse.Namespace(quick=True, json=str(out), formats="fp8,int4,bf16")) == 0
+    printed = capsys.readouterr()
+    assert sum("tiny" in line for line in printed.out.splitlines()) == 6  # each case once, in the table
+    assert "tiny" not in printed.err  # stderr is no terminal here: no progress line
     report = json.loads(out.read_text())
     assert report["memory_bandwidth_gbs"] > 0 and report["threads"] >= 1 and report["isa"]
     assert report["idle_spin_us"] == isa.idle_spin_us()

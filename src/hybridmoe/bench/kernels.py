@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -384,6 +385,20 @@ def _format_row(r: dict) -> str:
             f"{est}{r['speedup_vs_dequant_torch']:8.1f}x")
 
 
+def _progress_line(stream=None):
+    """Each case's result as it is measured, on one terminal line rewritten in place (the table follows the run);
+    nothing when the stream is not a terminal. -> (show(message), done())."""
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        return (lambda message: None), (lambda: None)
+
+    def show(message: str) -> None:
+        stream.write("\r\x1b[K" + message.strip())
+        stream.flush()
+
+    return show, lambda: show("")
+
+
 def run(args) -> int:
     fmts = [f for f in args.formats.split(",") if f]
     unknown = [f for f in fmts if f not in FORMATS]
@@ -402,8 +417,10 @@ def run(args) -> int:
           f"MiB); "
           f"FMA peak {opening[1]:.1f} GFLOP/s; experts {EXPERT_MEMORY[copied]}; the fused MoE, case by case:")
     results = []
+    show, done = _progress_line()
     for name in SHAPES:
-        results += bench_shape(name, fmts, args.quick, probe)
+        results += bench_shape(name, fmts, args.quick, probe, log=show)
+    done()
     closing = probe.full(args.quick)
     bandwidth, peak = max(probe.bandwidths), max(probe.peaks)
     for row in results:
