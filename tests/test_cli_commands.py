@@ -13,6 +13,7 @@ import pytest
 
 from hybridmoe.checkpoint.default_model import default_model_dir, resolve_model_dir
 from hybridmoe.cli import build_parser, main
+from hybridmoe.commands._generation import build_engine
 from hybridmoe.runtime.tokenizer import load_tokenizer
 
 SPEED_LINE = re.compile(r"prompt tokens: \d+ \| output tokens: \d+ \| time to first token: [\d.]+ s \| "
@@ -69,6 +70,16 @@ def test_engine_options_and_empty_prompts_are_error_lines(tiny_model_dir, capsys
         assert main(["generate", "--model", model, "--prompt", "hi", *flags]) == 2
         err = capsys.readouterr().err
         assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_no_prefix_caching_turns_it_off(tiny_model_dir):
+    model = str(tiny_model_dir("deepseek_v3"))
+    for command in (["generate", "--prompt", "x"], ["chat"], ["demo"]):
+        assert build_parser().parse_args(command).enable_prefix_caching is True
+        assert build_parser().parse_args([*command, "--no-prefix-caching"]).enable_prefix_caching is False
+    engine = build_engine(build_parser().parse_args(["generate", "--model", model, "--prompt", "x",
+                                                     "--no-prefix-caching", "--kv-cache-gb", "0.01"]))
+    assert engine.config.enable_prefix_caching is False and not engine.scheduler.block_manager.enable_prefix_caching
 
 
 def test_version_is_the_installed_packages():

@@ -8,6 +8,7 @@ import sys
 PLAIN_PYTHON_MODULES = [
     "hybridmoe.runtime.sampling_params",
     "hybridmoe.runtime.request",
+    "hybridmoe.runtime.prefix_cache",
     "hybridmoe.runtime.block_manager",
     "hybridmoe.runtime.scheduler",
 ]
@@ -26,6 +27,8 @@ def test_plain_python_modules_import_without_torch():
         "scheduler.add_request(Request('a', [1, 2, 3], SamplingParams(max_tokens=1)))\n"
         "output = scheduler.schedule()\n"
         "assert [r.status.is_finished for r in scheduler.update_from_output(output, {'a': 5})] == [True]\n"
+        "scheduler.add_request(Request('b', [1, 2, 3], SamplingParams(max_tokens=1)))\n"
+        "assert scheduler.schedule().scheduled[0].num_new_tokens == 1  # [1, 2] was cached by 'a'\n"
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)

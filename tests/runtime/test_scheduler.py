@@ -1,9 +1,10 @@
 """Scheduler: driven by a fake paged "model" (plain Python) through fixed scenarios and random workloads.
 
 The fake model stores every computed token in a fake paged KV cache through the request's block table and,
-to predict the next token, reads the whole sequence back through the block table. A block handed to two
-requests, a stale table after preemption, or a token computed twice or never all show up as a wrong read or
-as different output tokens.
+to predict the next token, reads the whole sequence back through the block table. A fake KV entry is what real
+KV depends on: the token, its position and every token before it. A block wrongly shared by two requests (prefix
+caching shares only equal prefixes), a stale table after preemption, or a token computed twice or never all
+show up as a wrong read or as different output tokens; a write into a block the prefix cache holds is an error.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ def reference_output(prompt: list[int], params: SamplingParams) -> tuple[list[in
 
 class FakePagedModel:
     def __init__(self, block_manager: BlockManager):
+        self.block_manager = block_manager
         self.block_size = block_manager.block_size
-        self.slots: list[tuple[str, int, int] | None] = [None] * (block_manager.num_blocks * self.block_size)
+        # Per slot: (position, the tokens up to and including it).
+        self.slots: list[tuple[int, tuple[int, ...]] | None] = [None] * (block_manager.num_blocks * self.block_size)
 
     def _slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
@@ -52,17 +55,20 @@ class FakePagedModel:
     def run(self, output: SchedulerOutput) -> dict[str, int]:
         for item in output.scheduled:  # write this step's KV of every sequence first (one batched forward)
             request, start = item.request, item.request.num_computed_tokens
-            tokens = request.all_token_ids
+            tokens = tuple(request.all_token_ids)
             for position in range(start, start + item.num_new_tokens):
-                self.slots[self._slot(item.block_table, position)] = (request.req_id, position, tokens[position])
+                block = item.block_table[position // self.block_size]
+                assert self.block_manager.prefix_cache.hash_of(block) is None, "a cached block was written to"
+                self.slots[self._slot(item.block_table, position)] = (position, tokens[: position + 1])
         sampled = {}
         for item in output.scheduled:  # then attend over everything through the block table
             request = item.request
             end = request.num_computed_tokens + item.num_new_tokens
+            tokens = tuple(request.all_token_ids)
             read = [self.slots[self._slot(item.block_table, p)] for p in range(end)]
-            assert read == [(request.req_id, p, t) for p, t in enumerate(request.all_token_ids[:end])]
+            assert read == [(p, tokens[: p + 1]) for p in range(end)]
             if end == request.num_tokens:
-                sampled[request.req_id] = next_token([t for _, _, t in read])
+                sampled[request.req_id] = next_token(list(tokens[:end]))
         return sampled
 
 
@@ -81,9 +87,16 @@ def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
         assert request.status is RequestStatus.RUNNING
         assert request.num_computed_tokens + item.num_new_tokens <= request.num_tokens
         assert len(item.block_table) >= manager.blocks_needed(request.num_computed_tokens + item.num_new_tokens)
-    owned = [b for r in scheduler.running + list(scheduler.waiting) for b in manager.get_block_table(r.req_id)]
-    assert len(owned) == len(set(owned))
-    assert manager.num_free_blocks + len(owned) == manager.num_blocks
+    tables = [manager.get_block_table(r.req_id) for r in scheduler.running + list(scheduler.waiting)]
+    assert all(len(table) == len(set(table)) for table in tables)
+    index_of_shared: dict[int, int] = {}  # a block in several tables holds the same positions in each, and is cached
+    for table in tables:
+        for index, block in enumerate(table):
+            if sum(block in other for other in tables) > 1:
+                assert index_of_shared.setdefault(block, index) == index
+                assert manager.prefix_cache.hash_of(block) is not None
+    owned = {b for table in tables for b in table}
+    assert manager.num_free_blocks + len(owned) == manager.num_blocks == manager.num_free_blocks + manager.num_used_blocks
     assert all(manager.get_block_table(r.req_id) == [] for r in scheduler.waiting)
     # First come, first served: running then waiting, in arrival order (preempted ones rejoin at the front).
     arrival = [r.arrival_time for r in scheduler.running + list(scheduler.waiting)]
@@ -168,8 +181,10 @@ MAX_PROMPT, MAX_TOKENS = 40, 30
 MAX_MODEL_LEN = MAX_PROMPT + MAX_TOKENS
 
 
-def _scheduler(block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len=MAX_MODEL_LEN):
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens, max_model_len)
+def _scheduler(block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
+               enable_prefix_caching=True):
+    return Scheduler(BlockManager(num_blocks, block_size, enable_prefix_caching), max_num_seqs,
+                     max_num_batched_tokens, max_model_len)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -237,7 +252,9 @@ def _step(scheduler: Scheduler, model: FakePagedModel) -> SchedulerOutput:
 
 
 def test_chunked_prefill_and_decode_first():
-    scheduler = _scheduler(block_size=4, num_blocks=100, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=100)
+    # The prompts share their first tokens: prefix caching (tested below) would shorten c's prefill.
+    scheduler = _scheduler(block_size=4, num_blocks=100, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=100,
+                           enable_prefix_caching=False)
     model = FakePagedModel(scheduler.block_manager)
     scheduler.add_request(_new("a", 3))
     assert _scheduled(_step(scheduler, model)) == [("a", 3)]  # prefill done, first token sampled
@@ -262,8 +279,10 @@ def test_max_num_seqs_limits_running_requests():
 
 
 def test_newest_running_request_is_preempted_and_recomputes():
-    # 4 blocks of 2 tokens: a and b (prompts of 3) fill them after their prefill and one decode each.
-    scheduler = _scheduler(block_size=2, num_blocks=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=8)
+    # 4 blocks of 2 tokens: a and b (prompts of 3) fill them after their prefill and one decode each. Their
+    # sequences are equal: with prefix caching b would come back at once on a's blocks (tested below).
+    scheduler = _scheduler(block_size=2, num_blocks=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=8,
+                           enable_prefix_caching=False)
     model = FakePagedModel(scheduler.block_manager)
     a, b = _new("a", 3, max_tokens=5), _new("b", 3, max_tokens=5)
     scheduler.add_request(a)
@@ -375,3 +394,119 @@ def test_no_request_starves_under_a_steady_stream_of_new_ones():
     finished = [r for r in requests if r.is_finished]
     assert len(finished) > 30 and preemptions > 0
     assert_outputs_match_reference(finished)
+
+
+# ---- prefix caching ------------------------------------------------------------------------------------------
+
+
+def make_shared_prefix_requests(rng: random.Random, count: int) -> list[Request]:
+    """Prompts that start with one of three shared "system prompts" (some are nothing else) and random tails."""
+    prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(5, 30))] for _ in range(3)]
+    requests = make_requests(rng, count, 10, MAX_TOKENS)
+    for request in requests:
+        tail = request.prompt_token_ids[: rng.choice([0, rng.randint(1, 10)])]
+        request.prompt_token_ids = rng.choice(prefixes) + tail
+    return requests
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workloads_with_shared_prefixes_reuse_kv_and_keep_reference_tokens(seed):
+    rng = random.Random(2000 + seed)
+    block_size = rng.choice([1, 2, 4])
+    min_blocks = -(-MAX_MODEL_LEN // block_size)
+    num_blocks = min_blocks + rng.choice([0, 5, 25 * min_blocks])  # tight caches evict and preempt
+    max_num_seqs, budget = rng.randint(1, 8), rng.choice([3, 8, 32, 128])
+    requests = make_shared_prefix_requests(rng, 25)
+    uncached = [Request(r.req_id, r.prompt_token_ids, r.sampling_params, (EOS,), r.arrival_time) for r in requests]
+    scheduler = _scheduler(block_size, num_blocks, max_num_seqs, budget)
+    reference = _scheduler(block_size, num_blocks, max_num_seqs, budget, enable_prefix_caching=False)
+    run_until_done(scheduler, requests, random.Random(seed))
+    run_until_done(reference, uncached, random.Random(seed))
+    assert_outputs_match_reference(requests)
+    stats, reference_stats = scheduler.stats(), reference.stats()
+    assert 0 < stats.prefix_cache_hits < stats.prefix_cache_queries
+    assert stats.computed_tokens < reference_stats.computed_tokens
+    assert reference_stats.prefix_cache_queries == reference_stats.prefix_cache_hits == 0
+    assert reference_stats.kv_blocks_cached == 0 < stats.kv_blocks_cached
+    assert stats.kv_blocks_free == stats.kv_blocks_total == num_blocks and stats.kv_blocks_used == 0
+
+
+def test_a_later_request_computes_only_the_tokens_past_a_shared_prefix():
+    scheduler = _scheduler(block_size=4, num_blocks=100, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=100)
+    model = FakePagedModel(scheduler.block_manager)
+    system = list(range(1, 19))  # 18 tokens: 4 full blocks and 2 tokens of a fifth
+    a = Request("a", system + [40, 41], SamplingParams(max_tokens=20, ignore_eos=True), (EOS,))
+    scheduler.add_request(a)
+    assert _scheduled(_step(scheduler, model)) == [("a", 20)]
+    b = Request("b", system + [42], SamplingParams(max_tokens=3, ignore_eos=True), (EOS,))
+    scheduler.add_request(b)  # a still runs: its computed full blocks are shared already
+    assert _scheduled(_step(scheduler, model)) == [("a", 1), ("b", 3)]  # b's 19 tokens: 16 cached
+    table_a, table_b = (scheduler.block_manager.get_block_table(r) for r in "ab")
+    assert table_a[:4] == table_b[:4] and table_a[4] != table_b[4]
+    stats = scheduler.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.computed_tokens) == (20 + 19, 16, 24)
+    # a holds 6 blocks (21 tokens computed: 5 full ones, cached), b 4 of those and one of its own
+    assert stats.kv_blocks_used == 6 + 1 and stats.kv_blocks_cached == 5
+    while scheduler.has_unfinished_requests():
+        _step(scheduler, model)
+    assert_outputs_match_reference([a, b])
+
+
+@pytest.mark.parametrize("prompt_len,expected_new", [(8, 4), (9, 1), (3, 3)])
+def test_a_whole_cached_prompt_still_computes_its_last_token(prompt_len, expected_new):
+    """A prompt ending in a cached full block recomputes that block into one of its own (shared blocks are never
+    written to); a prompt ending in a partial block computes only that."""
+    scheduler = _scheduler(block_size=4, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=64)
+    model = FakePagedModel(scheduler.block_manager)
+    first, again = _new("first", prompt_len, max_tokens=2), _new("again", prompt_len, max_tokens=2)
+    scheduler.add_request(first)
+    while scheduler.has_unfinished_requests():
+        _step(scheduler, model)
+    scheduler.add_request(again)
+    assert _scheduled(_step(scheduler, model)) == [("again", expected_new)]
+    assert scheduler.stats().prefix_cache_hits == prompt_len - expected_new
+    while scheduler.has_unfinished_requests():
+        _step(scheduler, model)
+    assert again.output_token_ids == first.output_token_ids
+    assert_outputs_match_reference([first, again])
+
+
+def test_a_preempted_request_comes_back_on_what_is_left_of_its_cached_blocks():
+    # 5 blocks of 2 tokens. a (3 tokens) and b (5 tokens) fill them; when a needs a sixth, b steps back: its
+    # blocks are released last first, so a's new block evicts b's third and b keeps its first two.
+    scheduler = _scheduler(block_size=2, num_blocks=5, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=10)
+    model = FakePagedModel(scheduler.block_manager)
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True), (EOS,))
+    b = Request("b", [20, 21, 22, 23, 24], SamplingParams(max_tokens=5, ignore_eos=True), (EOS,))
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    assert _scheduled(_step(scheduler, model)) == [("a", 3), ("b", 5)]
+    assert _scheduled(_step(scheduler, model)) == [("a", 1), ("b", 1)]
+    b_blocks = scheduler.block_manager.get_block_table("b")
+    output = _step(scheduler, model)
+    assert output.preempted == ["b"] and _scheduled(output) == [("a", 1)] and a.is_finished
+    # b knows 7 tokens; positions 0-3 are still cached in its first two blocks: it computes 3, not 7.
+    assert _scheduled(_step(scheduler, model)) == [("b", 3)]
+    assert scheduler.block_manager.get_block_table("b")[:2] == b_blocks[:2]
+    later = []
+    while scheduler.has_unfinished_requests():
+        later.append(_scheduled(_step(scheduler, model)))
+    assert later == [[("b", 1)], [("b", 1)]]
+    stats = scheduler.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (3 + 5 + 7, 4)
+    assert stats.computed_tokens == 8 + 2 + 1 + 3 + 1 + 1
+    assert_outputs_match_reference([a, b])
+
+
+def test_without_prefix_caching_nothing_is_shared_or_counted():
+    scheduler = _scheduler(block_size=4, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=64,
+                           enable_prefix_caching=False)
+    model = FakePagedModel(scheduler.block_manager)
+    for name in "ab":
+        scheduler.add_request(_new(name, 9, max_tokens=2))
+        while scheduler.has_unfinished_requests():
+            output = _step(scheduler, model)
+    assert _scheduled(output) == [("b", 1)]
+    stats = scheduler.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.kv_blocks_cached) == (0, 0, 0)
+    assert stats.computed_tokens == 2 * (9 + 1)

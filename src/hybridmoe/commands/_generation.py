@@ -22,6 +22,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, kv_cache_gb: float = 1.
                         help=f"GB (2**30 bytes) of memory for the paged KV cache (default {kv_cache_gb:g})")
     parser.add_argument("--expert-backend", default="cpu", choices=["cpu", "torch"],
                         help="routed experts on the C++ CPU kernels (default) or the plain-torch reference")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="compute every prompt in full rather than reuse the KV of an earlier request's equal "
+                             "prefix (a chat's earlier turns, a shared system prompt); the tokens are the same")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -47,7 +50,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 def build_engine(args: argparse.Namespace) -> LLMEngine:
     """The engine for args.model (a directory, or demo), with the engine flags of add_model_arguments."""
     return LLMEngine(args.model, EngineConfig(dtype=args.dtype, kv_cache_gb=args.kv_cache_gb,
-                                              expert_backend=args.expert_backend))
+                                              expert_backend=args.expert_backend,
+                                              enable_prefix_caching=args.enable_prefix_caching))
 
 
 @dataclass

@@ -30,7 +30,7 @@ from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
 from hybridmoe.runtime.request import Request, RequestStatus
 from hybridmoe.runtime.sampler import Sampler
 from hybridmoe.runtime.sampling_params import SamplingParams
-from hybridmoe.runtime.scheduler import Scheduler
+from hybridmoe.runtime.scheduler import Scheduler, SchedulerStats
 from hybridmoe.runtime.tokenizer import load_tokenizer
 
 
@@ -43,8 +43,11 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048  # token budget of one step (decode tokens first, then prefill chunks)
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped by the cache
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks an earlier request computed (docs/runtime.md)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         value = self.kv_cache_gb
         if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"kv_cache_gb must be a number > 0 (GB of memory for the KV cache), got {value!r}")
@@ -115,8 +118,8 @@ class LLMEngine:
                   if cache_tokens < wanted else
                   "set by EngineConfig.max_model_len" if cfg.max_model_len else
                   "the model's max_position_embeddings")
-        self.scheduler = Scheduler(BlockManager(num_blocks, cfg.block_size), cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens, self.max_model_len, source)
+        self.scheduler = Scheduler(BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching),
+                                   cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len, source)
         self.sampler = Sampler()
         self._ids = itertools.count()
         self._states: dict[str, _RequestState] = {}
@@ -147,6 +150,11 @@ class LLMEngine:
     def abort_request(self, req_id: str) -> None:
         if req_id in self._states:
             self.scheduler.abort_request(req_id)
+
+    def stats(self) -> SchedulerStats:
+        """Requests running and waiting, KV blocks used / free / cached, and cumulative counters (prefix-cache
+        queries and hits and tokens computed, in tokens; preemptions): see SchedulerStats, docs/runtime.md."""
+        return self.scheduler.stats()
 
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or has finished without being reported yet (aborted)."""

@@ -25,7 +25,7 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str = "auto", **engine_options):
         """model: a local Hugging Face model directory, or `demo` (the embedded demo model). engine_options: the
         fields of EngineConfig (block_size, kv_cache_gb, max_num_seqs, max_num_batched_tokens, max_model_len,
-        expert_backend)."""
+        expert_backend, enable_prefix_caching)."""
         self.engine = LLMEngine(model, EngineConfig(dtype=dtype, **engine_options))
         self.tokenizer = self.engine.tokenizer
 

@@ -54,6 +54,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # leading tokens of all_token_ids whose KV is in the cache
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full KV blocks so far, kept by the BlockManager
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None

@@ -15,6 +15,10 @@ recomputes its prompt and the output so far) and the allocation is retried. The 
 always makes progress, so no request waits forever. A request that alone needs more blocks than the whole
 cache has ends with finish reason "length".
 
+With prefix caching (the BlockManager's), a request being admitted, new or preempted, starts with the cached
+blocks matching its leading tokens as computed and runs only the tokens after them; full blocks are offered to
+the cache as soon as their KV is computed.
+
 One step: `schedule()` -> run the model on each scheduled request's tokens
 all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens] -> `update_from_output()` with a
 sampled id for every request that reached the end of its known tokens.
@@ -42,6 +46,22 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[str]  # req_ids preempted in this step (their KV is gone; they wait to recompute)
     num_batched_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of the scheduler's load and the KV cache's use (counters are cumulative since it started)."""
+
+    num_running_requests: int
+    num_waiting_requests: int  # queued, or preempted and waiting to recompute
+    kv_blocks_total: int
+    kv_blocks_used: int  # held by at least one request
+    kv_blocks_free: int  # held by none (kv_blocks_total - kv_blocks_used), cached evictable ones included
+    kv_blocks_cached: int  # holding a full block in the prefix cache, in use or evictable
+    prefix_cache_queries: int  # tokens looked up in the prefix cache: all tokens of each admitted request
+    prefix_cache_hits: int  # of those, tokens found cached, whose KV was reused instead of computed
+    computed_tokens: int  # tokens the model computed: prompts (past their cached prefix), recomputation, decode
+    num_preemptions: int  # running requests sent back to wait for KV blocks
 
 
 @dataclass
@@ -78,6 +98,8 @@ class Scheduler:
         self.running: list[Request] = []  # oldest first (admission order == arrival order)
         self._unfinished: dict[str, Request] = {}
         self._finished_while_scheduling: list[Request] = []
+        self._computed_tokens = 0
+        self._num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------------------
 
@@ -126,6 +148,16 @@ class Scheduler:
     def num_unfinished_requests(self) -> int:
         return len(self._unfinished)
 
+    def stats(self) -> SchedulerStats:
+        manager = self.block_manager
+        return SchedulerStats(
+            num_running_requests=len(self.running), num_waiting_requests=len(self.waiting),
+            kv_blocks_total=manager.num_blocks, kv_blocks_used=manager.num_used_blocks,
+            kv_blocks_free=manager.num_free_blocks, kv_blocks_cached=manager.num_cached_blocks,
+            prefix_cache_queries=manager.prefix_cache_queries, prefix_cache_hits=manager.prefix_cache_hits,
+            computed_tokens=self._computed_tokens, num_preemptions=self._num_preemptions,
+        )
+
     # ---- one step ------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -155,11 +187,13 @@ class Scheduler:
         """Record a finished step; sampled holds the new id of every request that reached the end of its known
         tokens. Returns the requests that finished (now or in the last schedule), their blocks freed."""
         finished, self._finished_while_scheduling = self._finished_while_scheduling, []
+        self._computed_tokens += scheduler_output.num_batched_tokens
         for item in scheduler_output.scheduled:
             request = item.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # ended (abort, stop string, error) after it was scheduled
             request.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # mid-prefill: the logits of this chunk are not used
             if request.req_id not in sampled:
@@ -193,10 +227,13 @@ class Scheduler:
 
     def _admit_waiting(self, step: _Step) -> None:
         while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
-            if not self.block_manager.allocate_slots(request, num_new_tokens):
+            request = self.waiting[0]  # holds no blocks, has computed nothing (new, or preempted)
+            cached = self.block_manager.find_cached_prefix(request)
+            num_cached_tokens = len(cached) * self.block_manager.block_size
+            num_new_tokens = min(request.num_tokens - num_cached_tokens, step.token_budget)
+            if not self.block_manager.allocate_slots(request, num_new_tokens, cached):
                 return  # first come, first served: nobody overtakes the oldest waiting request
+            request.num_computed_tokens = num_cached_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -210,6 +247,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         step.preempted.append(request.req_id)
+        self._num_preemptions += 1
 
     def _release(self, request: Request) -> None:
         """Forget a finished request: out of the queues, blocks freed."""
