@@ -15,6 +15,6 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_imports_only_go_downwards():
     exe = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
     if not Path(exe).exists():
-        pytest.fail("import-linter is not installed (pip install '.[test]')")
+        pytest.fail("import-linter is not installed (pip install -r requirements-test.txt)")
     result = subprocess.run([exe, "--config", str(ROOT / "pyproject.toml")], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
