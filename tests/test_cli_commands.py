@@ -82,10 +82,11 @@ def test_no_prefix_caching_turns_it_off(tiny_model_dir):
     assert engine.config.enable_prefix_caching is False and not engine.scheduler.block_manager.enable_prefix_caching
 
 
-def test_version_is_the_installed_packages():
-    result = subprocess.run([sys.executable, "-m", "hybridmoe.cli", "--version"], capture_output=True, text=True,
-                            timeout=120)
-    assert (result.returncode, result.stdout) == (0, f"hybridmoe {importlib.metadata.version('hybridmoe')}\n")
+def test_version_is_the_installed_packages(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"hybridmoe {importlib.metadata.version('hybridmoe')}\n"
 
 
 @pytest.mark.slow
