@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hybridmoe.checkpoint.synthetic import save_tiny_model
+from hybridmoe.kernels import isa
 from xdist_cpus import xdist_worker_cpus
 
 os.sched_setaffinity(0, xdist_worker_cpus(sorted(os.sched_getaffinity(0)), os.environ.get("PYTEST_XDIST_WORKER"),
@@ -29,3 +30,10 @@ def tiny_model_dir(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(params=isa.available_isas())
+def each_isa(request):
+    """Runs the test once per kernel ISA available here (scalar always; avx2/avx512/... where the CPU has them)."""
+    with isa.use_isa(request.param):
+        yield request.param

@@ -82,5 +82,5 @@ def test_bfloat16_weights_are_views_of_the_mapped_file(tiny_model_dir):
         mapped = torch.frombuffer(next(iter(reader._maps.values())), dtype=torch.uint8)
     begin, end = mapped.data_ptr(), mapped.data_ptr() + mapped.numel()
     experts = model.layers[1].mlp.experts.w
-    for tensor in (experts.gate[0], experts.down[-1], model.layers[0].attention.w.q_proj, model.embed):
+    for tensor in (experts.gate[0], experts.down[-1], model.layers[0].attention.w.q_proj.weight, model.embed):
         assert begin <= tensor.data_ptr() < end  # no copy was made

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from hybridmoe.config import ModelConfig
+from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import rms_norm
 from hybridmoe.layers.paged_attention import AttentionMetadata, attend, gather_context, write_to_cache
 from hybridmoe.layers.rope import RotaryEmbedding
@@ -19,13 +19,10 @@ from hybridmoe.layers.rope import RotaryEmbedding
 
 @dataclass
 class GQAWeights:
-    q_proj: torch.Tensor  # [N*D, H]
-    k_proj: torch.Tensor  # [Nk*D, H]
-    v_proj: torch.Tensor  # [Nk*D, H]
-    o_proj: torch.Tensor  # [H, N*D]
-    q_bias: torch.Tensor | None = None
-    k_bias: torch.Tensor | None = None
-    v_bias: torch.Tensor | None = None
+    q_proj: Linear  # [N*D, H]
+    k_proj: Linear  # [Nk*D, H]
+    v_proj: Linear  # [Nk*D, H]
+    o_proj: Linear  # [H, N*D]
     q_norm: torch.Tensor | None = None  # [D]
     k_norm: torch.Tensor | None = None  # [D]
 
@@ -45,9 +42,9 @@ class GQAttention:
         """x [T, H] -> [T, H]; writes this step's K/V into cache."""
         cfg, w = self.cfg, self.w
         num_tokens = x.shape[0]
-        q = F.linear(x, w.q_proj, w.q_bias).view(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = F.linear(x, w.k_proj, w.k_bias).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = F.linear(x, w.v_proj, w.v_bias).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q = w.q_proj(x).view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = w.k_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = w.v_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if w.q_norm is not None:
             q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
@@ -59,4 +56,4 @@ class GQAttention:
             k_ctx = gather_context(cache[0], meta.block_tables[s], meta.seq_lens[s])  # [C, Nk, D]
             v_ctx = gather_context(cache[1], meta.block_tables[s], meta.seq_lens[s])
             out[rows] = attend(q[rows], k_ctx, v_ctx, cfg.softmax_scale, cfg.sliding_window)
-        return F.linear(out.view(num_tokens, -1), w.o_proj)
+        return w.o_proj(out.view(num_tokens, -1))

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from hybridmoe.config import ModelConfig
+from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import rms_norm
 from hybridmoe.layers.paged_attention import AttentionMetadata, attend, gather_context, write_to_cache
 from hybridmoe.layers.rope import RotaryEmbedding
@@ -24,17 +24,14 @@ from hybridmoe.layers.rope import RotaryEmbedding
 
 @dataclass
 class MLAWeights:
-    kv_a_proj: torch.Tensor  # [L+R, H]
+    kv_a_proj: Linear  # [L+R, H]
     kv_a_norm: torch.Tensor  # [L]
-    kv_b_proj: torch.Tensor  # [N*(P+V), L]
-    o_proj: torch.Tensor  # [H, N*V]
-    q_proj: torch.Tensor | None = None  # [N*(P+R), H] when q_lora_rank is null
-    q_a_proj: torch.Tensor | None = None  # [Lq, H]
+    kv_b_proj: torch.Tensor  # [N*(P+V), L]: absorbed per head into the query and the output (einsums)
+    o_proj: Linear  # [H, N*V]
+    q_proj: Linear | None = None  # [N*(P+R), H] when q_lora_rank is null
+    q_a_proj: Linear | None = None  # [Lq, H]
     q_a_norm: torch.Tensor | None = None  # [Lq]
-    q_b_proj: torch.Tensor | None = None  # [N*(P+R), Lq]
-    q_a_bias: torch.Tensor | None = None
-    kv_a_bias: torch.Tensor | None = None
-    o_bias: torch.Tensor | None = None
+    q_b_proj: Linear | None = None  # [N*(P+R), Lq]
 
 
 class MLAttention:
@@ -57,12 +54,12 @@ class MLAttention:
         cfg, w = self.cfg, self.w
         num_tokens, lora = x.shape[0], cfg.kv_lora_rank
         if w.q_proj is not None:
-            q = F.linear(x, w.q_proj)
+            q = w.q_proj(x)
         else:
-            q = F.linear(rms_norm(F.linear(x, w.q_a_proj, w.q_a_bias), w.q_a_norm, self.eps), w.q_b_proj)
+            q = w.q_b_proj(rms_norm(w.q_a_proj(x), w.q_a_norm, self.eps))
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)  # [T, N, P], [T, N, R]
-        kv = F.linear(x, w.kv_a_proj, w.kv_a_bias)  # [T, L+R]
+        kv = w.kv_a_proj(x)  # [T, L+R]
         latent = rms_norm(kv[:, :lora], w.kv_a_norm, self.eps)  # [T, L]
         k_pe = kv[:, None, lora:]  # [T, 1, R]
         cos, sin = self.rope.cos_sin(positions, x.dtype)
@@ -76,4 +73,4 @@ class MLAttention:
             ctx = gather_context(cache, meta.block_tables[s], meta.seq_lens[s])[:, None, :]  # [C, 1, L+R]
             out_lat[rows] = attend(q_full[rows], ctx, ctx[..., :lora], cfg.softmax_scale, None)
         out = torch.einsum("tnl,nvl->tnv", out_lat, self.w_uv)  # [T, N, V]
-        return F.linear(out.reshape(num_tokens, -1), w.o_proj, w.o_bias)
+        return w.o_proj(out.reshape(num_tokens, -1))

@@ -1,4 +1,4 @@
-"""Gated MLP (SwiGLU): dense layers and shared experts.
+"""Gated MLP (SwiGLU): dense layers and shared experts, on the kernels' linear layers.
 
 Legend: T tokens, H hidden, I intermediate.
 """
@@ -10,13 +10,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.layers.linear import Linear
+
 
 @dataclass
 class GatedMLP:
-    gate_proj: torch.Tensor  # [I, H]
-    up_proj: torch.Tensor  # [I, H]
-    down_proj: torch.Tensor  # [H, I]
+    gate_proj: Linear  # [I, H]
+    up_proj: Linear  # [I, H]
+    down_proj: Linear  # [H, I]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        return F.linear(F.silu(F.linear(x, self.gate_proj)) * F.linear(x, self.up_proj), self.down_proj)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

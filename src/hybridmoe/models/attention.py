@@ -29,39 +29,34 @@ def build_mla(loader: WeightLoader, prefix: str, config: ModelConfig, rope: Rota
     att, hidden = config.attention, config.hidden_size
     heads, qk_dim = att.num_heads, att.qk_nope_head_dim + att.qk_rope_head_dim
     lora, rope_dim = att.kv_lora_rank, att.qk_rope_head_dim
-    bias = loader.dense if att.bias else (lambda name, shape: None)
+    bias = (lambda name: prefix + name) if att.bias else (lambda name: None)
     weights = MLAWeights(
-        kv_a_proj=loader.dense(prefix + "kv_a_proj_with_mqa.weight", (lora + rope_dim, hidden)),
-        kv_a_bias=bias(prefix + "kv_a_proj_with_mqa.bias", (lora + rope_dim,)),
+        kv_a_proj=loader.linear(prefix + "kv_a_proj_with_mqa.weight", (lora + rope_dim, hidden),
+                                bias("kv_a_proj_with_mqa.bias")),
         kv_a_norm=loader.dense(prefix + "kv_a_layernorm.weight", (lora,)),
         kv_b_proj=loader.dense(prefix + "kv_b_proj.weight", (heads * (att.qk_nope_head_dim + att.v_head_dim), lora)),
-        o_proj=loader.dense(prefix + "o_proj.weight", (hidden, heads * att.v_head_dim)),
-        o_bias=bias(prefix + "o_proj.bias", (hidden,)),
+        o_proj=loader.linear(prefix + "o_proj.weight", (hidden, heads * att.v_head_dim), bias("o_proj.bias")),
     )
     if att.q_lora_rank is None:
-        weights.q_proj = loader.dense(prefix + "q_proj.weight", (heads * qk_dim, hidden))
+        weights.q_proj = loader.linear(prefix + "q_proj.weight", (heads * qk_dim, hidden))
     else:
         q_lora = att.q_lora_rank
-        weights.q_a_proj = loader.dense(prefix + "q_a_proj.weight", (q_lora, hidden))
-        weights.q_a_bias = bias(prefix + "q_a_proj.bias", (q_lora,))
+        weights.q_a_proj = loader.linear(prefix + "q_a_proj.weight", (q_lora, hidden), bias("q_a_proj.bias"))
         weights.q_a_norm = loader.dense(prefix + "q_a_layernorm.weight", (q_lora,))
-        weights.q_b_proj = loader.dense(prefix + "q_b_proj.weight", (heads * qk_dim, q_lora))
+        weights.q_b_proj = loader.linear(prefix + "q_b_proj.weight", (heads * qk_dim, q_lora))
     return MLAttention(config, weights, rope)
 
 
 def build_gqa(loader: WeightLoader, prefix: str, config: ModelConfig, rope: RotaryEmbedding) -> GQAttention:
     att, hidden = config.attention, config.hidden_size
     q_dim, kv_dim = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
+    bias = (lambda name: prefix + name) if att.bias else (lambda name: None)
     weights = GQAWeights(
-        q_proj=loader.dense(prefix + "q_proj.weight", (q_dim, hidden)),
-        k_proj=loader.dense(prefix + "k_proj.weight", (kv_dim, hidden)),
-        v_proj=loader.dense(prefix + "v_proj.weight", (kv_dim, hidden)),
-        o_proj=loader.dense(prefix + "o_proj.weight", (hidden, q_dim)),
+        q_proj=loader.linear(prefix + "q_proj.weight", (q_dim, hidden), bias("q_proj.bias")),
+        k_proj=loader.linear(prefix + "k_proj.weight", (kv_dim, hidden), bias("k_proj.bias")),
+        v_proj=loader.linear(prefix + "v_proj.weight", (kv_dim, hidden), bias("v_proj.bias")),
+        o_proj=loader.linear(prefix + "o_proj.weight", (hidden, q_dim)),
     )
-    if att.bias:
-        weights.q_bias = loader.dense(prefix + "q_proj.bias", (q_dim,))
-        weights.k_bias = loader.dense(prefix + "k_proj.bias", (kv_dim,))
-        weights.v_bias = loader.dense(prefix + "v_proj.bias", (kv_dim,))
     if att.qk_norm:
         weights.q_norm = loader.dense(prefix + "q_norm.weight", (att.head_dim,))
         weights.k_norm = loader.dense(prefix + "k_norm.weight", (att.head_dim,))

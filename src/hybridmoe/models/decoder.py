@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from hybridmoe.config import ModelConfig, WeightNames, family_of
+from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.layers.moe.backend import ExpertBackend, ExpertWeights
 from hybridmoe.layers.moe.block import MoEBlock
@@ -39,7 +39,7 @@ class DecoderLayer:
 
 class MoEDecoderModel:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], norm: torch.Tensor,
-                 lm_head: torch.Tensor, dtype: torch.dtype):
+                 lm_head: Linear, dtype: torch.dtype):
         self.config, self.dtype = config, dtype
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
 
@@ -78,7 +78,7 @@ class MoEDecoderModel:
             h = h + layer.mlp.forward(rms_norm(h, layer.post_attention_norm, eps))
         if logits_indices is not None:
             h = h[logits_indices]
-        return F.linear(rms_norm(h, self.norm, eps), self.lm_head).float()
+        return self.lm_head(rms_norm(h, self.norm, eps)).float()
 
 
 def build_decoder(config: ModelConfig, loader: WeightLoader, backend_factory: ExpertBackendFactory) -> MoEDecoderModel:
@@ -104,18 +104,18 @@ def build_decoder(config: ModelConfig, loader: WeightLoader, backend_factory: Ex
         loader.layer_done()
     norm = loader.dense("model.norm.weight", (hidden,))
     if config.tie_word_embeddings:
-        lm_head = embed
+        lm_head = Linear.dense(embed)
     else:
-        lm_head = loader.dense("lm_head.weight", (vocab, hidden))
+        lm_head = loader.linear("lm_head.weight", (vocab, hidden))
     loader.close()
     return MoEDecoderModel(config, embed, layers, norm, lm_head, loader.dtype)
 
 
 def _gated_mlp(loader: WeightLoader, prefix: str, hidden: int, inter: int) -> GatedMLP:
     return GatedMLP(
-        gate_proj=loader.dense(prefix + "gate_proj.weight", (inter, hidden)),
-        up_proj=loader.dense(prefix + "up_proj.weight", (inter, hidden)),
-        down_proj=loader.dense(prefix + "down_proj.weight", (hidden, inter)),
+        gate_proj=loader.linear(prefix + "gate_proj.weight", (inter, hidden)),
+        up_proj=loader.linear(prefix + "up_proj.weight", (inter, hidden)),
+        down_proj=loader.linear(prefix + "down_proj.weight", (hidden, inter)),
     )
 
 

@@ -2,7 +2,8 @@
 
 `WeightLoader.dense(name, shape)` returns a tensor in the model's compute dtype: a zero-copy view of the
 mapped checkpoint when the stored dtype already matches, a converted copy otherwise, and an exact block
-dequantisation for FP8 tensors that carry a `weight_scale_inv`. `WeightLoader.experts(...)` keeps routed
+dequantisation for FP8 tensors that carry a `weight_scale_inv`. `WeightLoader.linear(name, shape)` returns a
+projection for the kernels (layers.linear.Linear) in its stored format: FP8 and int4/int8 stay as stored. `WeightLoader.experts(...)` keeps routed
 experts as stored (FP8 stays FP8 for the CPU kernels, BF16 stays BF16 under a float32 compute dtype).
 """
 
@@ -16,6 +17,7 @@ import torch
 from hybridmoe.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8
 from hybridmoe.checkpoint.safetensors_reader import CheckpointError, CheckpointReader
 from hybridmoe.config import ModelConfig
+from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.moe.backend import ExpertWeights
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -37,6 +39,21 @@ class WeightLoader:
         if tensor.dtype in FP8_DTYPES:
             return dequantize_fp8(tensor, self._scale(name, shape), self.block, self.dtype)
         return tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)
+
+    def linear(self, name: str, shape: tuple[int, int], bias: str | None = None) -> Linear:
+        """A projection weight [N, K] for the kernels, kept in its stored format: FP8 with its block scales,
+        int4/int8 per group (quantised by `hybridmoe quantize`), else float in the compute dtype; with the bias
+        tensor `bias` (compute dtype) when given."""
+        b = self.dense(bias, (shape[0],)) if bias is not None else None
+        quant = self.config.expert_quantization
+        if quant is not None and name + "_scale" in self.reader:
+            data, scales = self._int_matrix(name, shape)
+            return Linear(quant.method, data, scales, cols=shape[1], bias=b, name=name)
+        tensor = self.reader.get_checked(name, shape, FLOAT_DTYPES + FP8_DTYPES)
+        if tensor.dtype in FP8_DTYPES:
+            self.used.add(name)
+            return Linear("fp8", tensor, self._scale(name, shape), cols=shape[1], bias=b, block=self.block, name=name)
+        return Linear.dense(self.dense(name, shape), b, name=name)
 
     def optional_dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         return self.dense(name, shape) if name in self.reader else None
@@ -75,21 +92,29 @@ class WeightLoader:
 
     def _int_experts(self, names: Iterable[tuple[str, str, str]], inter: int, hidden: int) -> ExpertWeights:
         """int4/int8 per-group experts as written by `hybridmoe quantize` (layout in kernels.formats)."""
+        parts: tuple[list, ...] = ([], [], [], [], [], [])  # gate, up, down, and their scales
+        for triple in names:
+            for proj, (name, shape) in enumerate(zip(triple, ((inter, hidden), (inter, hidden), (hidden, inter)))):
+                data, scales = self._int_matrix(name, shape)
+                parts[proj].append(data)
+                parts[3 + proj].append(scales)
+        return ExpertWeights(self.config.expert_quantization.method, *parts)
+
+    def _int_matrix(self, name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(data, scales) of an int4/int8 per-group matrix of logical shape [N, K] (layout: kernels.formats)."""
         quant = self.config.expert_quantization
         group, fmt = quant.group_size, quant.method
         data_dtype, per_byte = (torch.uint8, 2) if fmt == "int4" else (torch.int8, 1)
         scale_dtype = torch.bfloat16 if quant.scale_dtype == "bfloat16" else torch.float16
-        parts: tuple[list, ...] = ([], [], [], [], [], [])  # gate, up, down, and their scales
-        for triple in names:
-            for proj, (name, (rows, cols)) in enumerate(zip(triple, ((inter, hidden), (inter, hidden), (hidden, inter)))):
-                padded = -(-cols // group) * group
-                parts[proj].append(self.reader.get_checked(name, (rows, padded // per_byte), (data_dtype,)))
-                scale_name = name + "_scale"
-                if scale_name not in self.reader:
-                    raise CheckpointError(f"{self.reader.entry(name).file}: {fmt} tensor {name!r} has no {scale_name!r}")
-                parts[3 + proj].append(self.reader.get_checked(scale_name, (rows, padded // group), (scale_dtype,)))
-                self.used.update((name, scale_name))
-        return ExpertWeights(fmt, *parts)
+        rows, cols = shape
+        padded = -(-cols // group) * group
+        data = self.reader.get_checked(name, (rows, padded // per_byte), (data_dtype,))
+        scale_name = name + "_scale"
+        if scale_name not in self.reader:
+            raise CheckpointError(f"{self.reader.entry(name).file}: {fmt} tensor {name!r} has no {scale_name!r}")
+        scales = self.reader.get_checked(scale_name, (rows, padded // group), (scale_dtype,))
+        self.used.update((name, scale_name))
+        return data, scales
 
     def _scale(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         scale_name = name + SCALE_SUFFIX

@@ -107,10 +107,11 @@ def measure_einsums(timer: OpTimer, config, dtype: torch.dtype) -> dict[tuple[in
 
 def weight_bytes(model) -> int:
     """Bytes of the weights one step of `model` may read (everything but the embedding table)."""
+    from hybridmoe.layers.linear import Linear
     from hybridmoe.layers.moe.block import MoEBlock
 
     def tensors(obj) -> int:
-        return sum(v.nbytes for v in vars(obj).values() if isinstance(v, torch.Tensor))
+        return sum(v.nbytes for v in vars(obj).values() if isinstance(v, (torch.Tensor, Linear)))
 
     total = model.lm_head.nbytes + model.norm.nbytes
     for layer in model.layers:

@@ -12,15 +12,16 @@ Legend: T tokens, H hidden, E experts, K top-k, G groups.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from hybridmoe.config import MoEConfig
+from hybridmoe.layers.linear import Linear
 
 
 class Router:
     def __init__(self, config: MoEConfig, weight: torch.Tensor, correction_bias: torch.Tensor | None = None):
         self.cfg = config
         self.weight = weight.float()  # [E, H]
+        self.gate = Linear.dense(self.weight)
         self.correction_bias = correction_bias  # [E] float32 (noaux_tc)
         if config.topk_method == "noaux_tc" and correction_bias is None:
             raise ValueError("noaux_tc routing needs e_score_correction_bias")
@@ -28,7 +29,7 @@ class Router:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K] float32)."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight)  # [T, E]
+        logits = self.gate(x.float())  # [T, E]
         if cfg.scoring_func == "softmax":
             scores = logits.softmax(dim=-1)
         else:
