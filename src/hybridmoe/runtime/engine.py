@@ -26,6 +26,7 @@ from hybridmoe.config import load_config
 from hybridmoe.models.loader import load_model, resolve_dtype
 from hybridmoe.runtime.block_manager import BlockManager
 from hybridmoe.runtime.detokenizer import IncrementalDetokenizer
+from hybridmoe.runtime.logprobs import PromptLogprobs, TokenLogprobs, token_logprobs
 from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
 from hybridmoe.runtime.request import Request, RequestStatus
 from hybridmoe.runtime.sampler import Sampler
@@ -93,6 +94,9 @@ class RequestOutput:
     error: str | None = None
     first_token_time: float | None = None
     arrival_time: float = 0.0
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when SamplingParams.logprobs is set
+    # every prompt token's (None for the first), once the prefill is done, when SamplingParams.prompt_logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLMEngine:
@@ -144,7 +148,9 @@ class LLMEngine:
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
                                        stop=params.stop)
-        self._states[req_id] = _RequestState(request, generator, detok)
+        prompt_logprobs = (PromptLogprobs(prompt_ids, params.prompt_logprobs)
+                           if params.prompt_logprobs is not None else None)
+        self._states[req_id] = _RequestState(request, generator, detok, prompt_logprobs)
         return req_id
 
     def abort_request(self, req_id: str) -> None:
@@ -166,7 +172,7 @@ class LLMEngine:
         outputs: dict[str, RequestOutput] = {}
         if sched.scheduled:
             try:
-                sampled = self._run(sched)
+                sampled, logprobs = self._run(sched)
             except Exception as exc:  # a failed step ends its own requests, never the engine
                 for item in sched.scheduled:
                     req = item.request
@@ -180,6 +186,8 @@ class LLMEngine:
                     new_text = state.detok.add(token)
                     state.new_ids.append(token)
                     state.new_text += new_text
+                    if req_id in logprobs:
+                        state.new_logprobs.append(logprobs[req_id])
                     if state.first_token_time is None:
                         state.first_token_time = time.monotonic()
                     if state.detok.stopped and req_id not in finished:
@@ -191,29 +199,69 @@ class LLMEngine:
                 del self._states[req_id]
         return list(outputs.values())
 
-    def _run(self, sched) -> dict[str, int]:
-        chunks, sample_rows = [], []
+    def _run(self, sched) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """One forward and sampling: the sampled id, and its logprobs where asked, of each request that samples."""
+        chunks, sample_rows, scoring_prompt = [], [], []
         for i, item in enumerate(sched.scheduled):
             req, start = item.request, item.request.num_computed_tokens
             chunks.append(SequenceChunk(req.all_token_ids[start:start + item.num_new_tokens], start, item.block_table))
             if start + item.num_new_tokens >= req.num_tokens:
                 sample_rows.append(i)
-        logits = self.runner.forward(chunks)  # [S, V]
+            prompt_logprobs = self._states[req.req_id].prompt_logprobs
+            if prompt_logprobs is not None and prompt_logprobs.wants(start, item.num_new_tokens):
+                scoring_prompt.append(i)
+        logits = self.runner.forward(chunks, all_logits=bool(scoring_prompt))  # [S, V], or [T, V] when scoring
+        if scoring_prompt:  # every position's logits: score the prompt tokens, keep each chunk's last row
+            ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0)  # [S]
+            for i in scoring_prompt:
+                item = sched.scheduled[i]
+                self._states[item.request.req_id].prompt_logprobs.add_chunk(
+                    logits[int(ends[i]) - item.num_new_tokens:int(ends[i])], item.request.num_computed_tokens)
+            logits = logits[ends - 1]  # [S, V]
         if not sample_rows:
-            return {}
+            return {}, {}
         reqs = [sched.scheduled[i].request for i in sample_rows]
+        logits = logits[sample_rows]  # [R, V]
         tokens = self.sampler.sample(
-            logits[sample_rows], [r.sampling_params for r in reqs],
+            _without_early_stops(logits, reqs), [r.sampling_params for r in reqs],
             [self._states[r.req_id].generator for r in reqs], [r.all_token_ids for r in reqs],
-        )
-        return {r.req_id: int(t) for r, t in zip(reqs, tokens.tolist())}
+            [r.output_token_ids for r in reqs],
+        ).tolist()
+        sampled = {r.req_id: int(t) for r, t in zip(reqs, tokens)}
+        logprobs = {}
+        for k in sorted({r.sampling_params.logprobs for r in reqs if r.sampling_params.logprobs is not None}):
+            rows = [j for j, r in enumerate(reqs) if r.sampling_params.logprobs == k]
+            values = token_logprobs(logits[rows], [tokens[j] for j in rows], k)
+            logprobs.update((reqs[j].req_id, v) for j, v in zip(rows, values))
+        return sampled, logprobs
+
+
+def _without_early_stops(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """logits [R, V] with EOS and stop_token_ids at -inf in the rows that have not reached min_tokens (a copy when
+    any row changes)."""
+    rows, ids = [], []
+    for row, request in enumerate(requests):
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            banned = {*params.stop_token_ids, *(() if params.ignore_eos else request.eos_token_ids)}
+            banned = [t for t in banned if t < logits.shape[1]]
+            rows += [row] * len(banned)
+            ids += banned
+    if not rows:
+        return logits
+    logits = logits.clone()
+    logits[torch.tensor(rows), torch.tensor(ids)] = -torch.inf
+    return logits
 
 
 class _RequestState:
-    def __init__(self, request: Request, generator: torch.Generator | None, detok: IncrementalDetokenizer):
+    def __init__(self, request: Request, generator: torch.Generator | None, detok: IncrementalDetokenizer,
+                 prompt_logprobs: PromptLogprobs | None):
         self.request, self.generator, self.detok = request, generator, detok
+        self.prompt_logprobs = prompt_logprobs
         self.new_ids: list[int] = []
         self.new_text = ""
+        self.new_logprobs: list[TokenLogprobs] = []
         self.first_token_time: float | None = None
 
     def take_output(self) -> RequestOutput:
@@ -225,6 +273,9 @@ class _RequestState:
             text=self.detok.text, new_token_ids=self.new_ids, new_text=self.new_text,
             finished=req.status.is_finished, finish_reason=req.finish_reason, error=req.error,
             first_token_time=self.first_token_time, arrival_time=req.arrival_time,
+            new_logprobs=self.new_logprobs if req.sampling_params.logprobs is not None else None,
+            prompt_logprobs=(self.prompt_logprobs.values
+                             if self.prompt_logprobs is not None and self.prompt_logprobs.complete else None),
         )
-        self.new_ids, self.new_text = [], ""
+        self.new_ids, self.new_text, self.new_logprobs = [], "", []
         return out

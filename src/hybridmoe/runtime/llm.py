@@ -1,12 +1,14 @@
-"""The offline Python API: `LLM(model).generate(prompts, sampling_params)` and `.chat(messages)`."""
+"""The offline Python API: `LLM(model).generate(prompts, sampling_params)`, `.chat(messages)`, and `.stream(prompt)`
+(a synchronous iterator over one request's outputs as they are produced)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridmoe.runtime.engine import EngineConfig, LLMEngine
+from hybridmoe.runtime.engine import EngineConfig, LLMEngine, RequestOutput
+from hybridmoe.runtime.logprobs import TokenLogprobs
 from hybridmoe.runtime.sampling_params import SamplingParams
 
 Message = dict[str, str]
@@ -19,6 +21,8 @@ class GenerationResult:
     text: str
     finish_reason: str | None  # "stop" | "length" | "error" (the request could not be served, or failed)
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # per generated token, when SamplingParams.logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when SamplingParams.prompt_logprobs is set
 
 
 class LLM:
@@ -45,13 +49,34 @@ class LLM:
                 slots.append(self.engine.add_request(prompt, p or SamplingParams()))
             except ValueError as error:
                 slots.append(GenerationResult(self._prompt_ids(prompt), [], "", "error", str(error)))
-        results = {}
+        results, logprobs = {}, {slot: [] for slot in slots if isinstance(slot, str)}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
+                if out.new_logprobs is not None and out.req_id in logprobs:
+                    logprobs[out.req_id] += out.new_logprobs
                 if out.finished:
-                    results[out.req_id] = GenerationResult(out.prompt_token_ids, out.token_ids, out.text,
-                                                           out.finish_reason, out.error)
+                    results[out.req_id] = GenerationResult(
+                        out.prompt_token_ids, out.token_ids, out.text, out.finish_reason, out.error,
+                        logprobs[out.req_id] if out.new_logprobs is not None else None, out.prompt_logprobs)
         return [results[slot] if isinstance(slot, str) else slot for slot in slots]
+
+    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Run one prompt, yielding a RequestOutput each time it produces tokens (new_text, new_token_ids) and a
+        last one with finished=True. Raises ValueError at once when the prompt cannot be served. Leaving the loop
+        early aborts the request."""
+        req_id = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.req_id == req_id:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort_request(req_id)
+                while self.engine.has_unfinished_requests():  # report the abort, so the engine holds nothing of it
+                    self.engine.step()
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | None = None) -> list[GenerationResult]:

@@ -1,6 +1,6 @@
 """`Sampler`: turns the last-position logits of a batch into next token ids, one `SamplingParams` per row.
 
-Order per row: repetition penalty -> greedy (argmax) when temperature is 0 -> temperature -> top-k -> top-p
+Order per row: repetition penalty -> presence / frequency penalties -> greedy (argmax) when temperature is 0 -> temperature -> top-k -> top-p
 -> min-p -> draw. Each filter keeps the logits >= a per-row threshold, so the three combine into one
 threshold (the largest) and one mask:
   top-k  the k-th largest logit (tokens tied with it are kept);
@@ -39,16 +39,24 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         token_history: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
-        """logits [S, V] -> next token ids [S] (int64). token_history[i] = prompt + output ids of row i.
+        """logits [S, V] -> next token ids [S] (int64). token_history[i] = prompt + output ids of row i;
+        output_token_ids[i] = its output ids alone (needed when a row has a presence or frequency penalty).
 
         Rows whose generator is None draw from torch's default generator. The input logits are not modified.
         """
         _check_inputs(logits, params, generators, token_history)
         logits = logits.float()  # [S, V]; a copy is made below before anything is written
+        copied = False
         if any(p.repetition_penalty != 1.0 and len(h) > 0 for p, h in zip(params, token_history)):
-            logits = logits.clone()
+            logits, copied = logits.clone(), True
             _apply_repetition_penalty(logits, params, token_history)
+        if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+            if output_token_ids is None or len(output_token_ids) != logits.shape[0]:
+                raise ValueError("Sampler: presence/frequency penalties need output_token_ids, one list per row")
+            logits = logits if copied else logits.clone()
+            _apply_presence_frequency_penalties(logits, params, output_token_ids)
 
         device = logits.device
         next_ids = torch.empty(logits.shape[0], dtype=torch.long, device=device)  # [S]
@@ -104,6 +112,22 @@ def _apply_repetition_penalty(
     penalty = torch.tensor(penalties, dtype=logits.dtype, device=device)  # [N]
     seen = logits[rows, tokens]  # [N]
     logits[rows, tokens] = torch.where(seen > 0, seen / penalty, seen * penalty)
+
+
+def _apply_presence_frequency_penalties(
+    logits: torch.Tensor, params: Sequence[SamplingParams], output_token_ids: Sequence[Sequence[int]]
+) -> None:
+    """In place on logits [S, V]: logit -= count * frequency_penalty + (count > 0) * presence_penalty, with
+    count the times the id was generated in that row (OpenAI's definition; the prompt does not count)."""
+    vocab_size = logits.shape[1]
+    for row, (p, output) in enumerate(zip(params, output_token_ids)):
+        if (p.presence_penalty == 0.0 and p.frequency_penalty == 0.0) or not output:
+            continue
+        ids = torch.tensor(list(output), dtype=torch.long, device=logits.device)
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise ValueError(f"Sampler: output_token_ids[{row}] holds ids outside [0, {vocab_size})")
+        counts = torch.bincount(ids, minlength=vocab_size).to(logits.dtype)  # [V]
+        logits[row] -= counts * p.frequency_penalty + (counts > 0).to(logits.dtype) * p.presence_penalty
 
 
 def _kept_probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -7,12 +7,21 @@ Field names and meanings follow vLLM / the OpenAI API:
   min_p               keep tokens whose probability is >= min_p * (probability of the most likely token).
   repetition_penalty  Hugging Face semantics: for every distinct id already in the prompt or output, a
                       positive logit is divided by it and a negative one multiplied; 1.0 turns it off.
+  presence_penalty    OpenAI semantics, over the output only: subtracted from the logit of every id generated
+                      at least once; in [-2, 2], 0 turns it off.
+  frequency_penalty   OpenAI semantics, over the output only: subtracted once per time an id was generated.
   seed                per-request random seed: the same seed gives the same tokens whatever else is batched.
   stop                strings that end generation (the text is cut before the stop string).
   stop_token_ids      token ids that end generation (in addition to EOS).
   max_tokens          the most tokens generated (finish reason "length").
+  min_tokens          EOS and stop_token_ids cannot be sampled before this many tokens (stop strings still stop).
   ignore_eos          keep generating past EOS (stop_token_ids still stop).
   skip_special_tokens leave special tokens out of the output text.
+  logprobs            None: off; k >= 0: each generated token's log-probability and the k most likely ones.
+  prompt_logprobs     None: off; k >= 0: the same for every prompt token after the first (such a request
+                      computes its whole prompt: the prefix cache holds KV, not logits).
+Log-probabilities are the model's own (log-softmax of the raw logits, before penalties and temperature), as
+vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from numbers import Integral, Real
 # Below this a temperature counts as 0 (greedy): dividing by it would only turn sampling into argmax
 # with extra float overflow risk. Same threshold as vLLM's _SAMPLING_EPS.
 GREEDY_TEMPERATURE_EPS = 1e-5
+MAX_LOGPROBS = 20  # the OpenAI API's bound on top_logprobs
 
 
 def _is_int(value: object) -> bool:
@@ -41,12 +51,17 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     max_tokens: int = 16
+    min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -62,7 +77,7 @@ class SamplingParams:
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
 
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not math.isfinite(value):
                 raise bad(name, "must be a finite number")
@@ -74,10 +89,19 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "must be > 0 (1.0 means off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "must be in [-2, 2] (0 means off)")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", "must be an integer >= -1 (0 or -1 means off)")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", "must be an integer or None")
         if not isinstance(self.ignore_eos, bool):

@@ -228,7 +228,9 @@ class Scheduler:
     def _admit_waiting(self, step: _Step) -> None:
         while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]  # holds no blocks, has computed nothing (new, or preempted)
-            cached = self.block_manager.find_cached_prefix(request)
+            # prompt logprobs need the logits of every prompt position; the cache holds only their KV
+            cached = ([] if request.sampling_params.prompt_logprobs is not None
+                      else self.block_manager.find_cached_prefix(request))
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new_tokens = min(request.num_tokens - num_cached_tokens, step.token_budget)
             if not self.block_manager.allocate_slots(request, num_new_tokens, cached):

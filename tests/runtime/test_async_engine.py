@@ -1,0 +1,140 @@
+"""AsyncLLMEngine (one engine thread, asyncio streams) and LLM.stream on a tiny model in float32: streams give the
+tokens LLM.generate gives; a caller that stops early aborts its request and frees its KV blocks; refusals,
+failures in a step, loading errors and shutdown reach the callers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hybridmoe import LLM, SamplingParams
+from hybridmoe.runtime.async_engine import AsyncLLMEngine, EngineNotReadyError
+from hybridmoe.runtime.engine import EngineConfig
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+PROMPTS = [[5, 17, 33, 8, 90], [44, 3, 81], [7, 7, 7, 7, 7, 7, 7, 7, 7], [120, 60]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("deepseek_v3")
+
+
+def _run(coro, timeout: float = 60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def _started(model_dir, **options) -> tuple[AsyncLLMEngine, list]:
+    finished = []
+    engine = AsyncLLMEngine(model_dir, EngineConfig(dtype="float32", block_size=4, **options),
+                            on_request_finished=finished.append)
+    engine.start()
+    await engine.wait_ready()
+    return engine, finished
+
+
+def test_concurrent_streams_match_generate(model_dir):
+    expected = [r.token_ids for r in LLM(model_dir, dtype="float32", block_size=4).generate(PROMPTS, GREEDY)]
+
+    async def main():
+        engine, finished = await _started(model_dir)
+        try:
+            async def collect(prompt):
+                outs = [out async for out in engine.generate(prompt, GREEDY)]
+                assert [out.finished for out in outs] == [False] * (len(outs) - 1) + [True]
+                assert "".join(out.new_text for out in outs) == outs[-1].text
+                return [t for out in outs for t in out.new_token_ids]
+            got = await asyncio.gather(*(collect(p) for p in PROMPTS))
+            assert got == expected
+            assert sorted(out.finish_reason for out in finished) == ["length"] * len(PROMPTS)
+        finally:
+            engine.shutdown()
+    _run(main())
+
+
+def test_a_caller_that_leaves_aborts_its_request_and_frees_its_blocks(model_dir):
+    async def main():
+        engine, finished = await _started(model_dir)
+        try:
+            first = asyncio.Event()
+
+            async def consume():
+                async for _ in engine.generate(PROMPTS[0], SamplingParams(max_tokens=500, ignore_eos=True)):
+                    first.set()
+            task = asyncio.create_task(consume())
+            await first.wait()
+            assert engine.stats().kv_blocks_used > 0
+            task.cancel()
+            while not finished:
+                await asyncio.sleep(0.01)
+            assert finished[0].finish_reason == "abort" and len(finished[0].token_ids) < 500
+            assert engine.stats().kv_blocks_used == 0 and engine.num_unfinished_requests == 0
+        finally:
+            engine.shutdown()
+    _run(main())
+
+
+def test_refusals_and_a_failed_step_reach_only_their_callers(model_dir):
+    async def main():
+        engine, _ = await _started(model_dir, max_model_len=32)
+        try:
+            with pytest.raises(ValueError, match="prompt too long: 5 tokens \\+ max_tokens 40 > max_model_len 32"):
+                async for _ in engine.generate(PROMPTS[0], SamplingParams(max_tokens=40)):
+                    pass
+            runner = engine.engine.runner
+            real_forward = runner.forward
+
+            def failing_forward(chunks, all_logits=False):
+                runner.forward = real_forward  # fails once
+                raise RuntimeError("injected failure")
+            runner.forward = failing_forward
+            outs = [out async for out in engine.generate(PROMPTS[1], GREEDY)]
+            assert outs[-1].finish_reason == "error" and "injected failure" in outs[-1].error
+            outs = [out async for out in engine.generate(PROMPTS[1], GREEDY)]
+            assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 10
+        finally:
+            engine.shutdown()
+    _run(main())
+
+
+def test_loading_and_shutdown(model_dir, tmp_path):
+    async def main():
+        broken = AsyncLLMEngine(tmp_path / "missing", EngineConfig(dtype="float32"))
+        with pytest.raises(EngineNotReadyError, match="the model is not loaded"):
+            async for _ in broken.generate([1, 2], GREEDY):
+                pass
+        broken.start()
+        with pytest.raises(EngineNotReadyError, match="failed to load"):
+            await broken.wait_ready()
+
+        engine, _ = await _started(model_dir)
+        started = asyncio.Event()
+        outs = []
+
+        async def consume():
+            async for out in engine.generate(PROMPTS[0], SamplingParams(max_tokens=500, ignore_eos=True)):
+                outs.append(out)
+                started.set()
+        task = asyncio.create_task(consume())
+        await started.wait()
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        await task
+        assert outs[-1].finish_reason == "abort"
+        with pytest.raises(EngineNotReadyError, match="shut down"):
+            async for _ in engine.generate(PROMPTS[1], GREEDY):
+                pass
+    _run(main())
+
+
+def test_llm_stream(model_dir):
+    llm = LLM(model_dir, dtype="float32")
+    expected = llm.generate(PROMPTS[0], GREEDY)[0]
+    outs = list(llm.stream(PROMPTS[0], GREEDY))
+    assert [t for out in outs for t in out.new_token_ids] == expected.token_ids
+    assert "".join(out.new_text for out in outs) == expected.text and outs[-1].finished
+    for out in llm.stream(PROMPTS[1], SamplingParams(max_tokens=200, ignore_eos=True)):
+        break  # leaving early aborts the request
+    assert not llm.engine.has_unfinished_requests() and llm.engine.stats().kv_blocks_used == 0
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        next(llm.stream([], GREEDY))
