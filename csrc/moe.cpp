@@ -296,23 +296,29 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   });
 }
 
+// Rows per task of a plain matmul (the model's projections): every task reads at least kMatmulTaskBytes of
+// weights, so a small matrix is one task that runs on the caller (a pool hand-off costs more than it reads),
+// and a large one is cut into about 4 tasks per thread (whole 8-row panels) to balance them.
+constexpr I64 kMatmulTaskBytes = 64 << 10;
+I64 matmul_task_rows(I64 rows, int threads, I64 row_bytes) {
+  const I64 least = std::max<I64>(1, ceil_div(kMatmulTaskBytes, std::max<I64>(1, row_bytes)));
+  const I64 balanced = round_up(ceil_div(rows, 4 * static_cast<I64>(threads)), 8);
+  return std::min(rows, std::max(least, balanced));
+}
+
 void run_matmul(const Matrix& w, const float* x, I64 m, I64 ldx, float* y, MatmulPath path, const KernelTable& kt,
                 ThreadPool& pool) {
-  ActBuffer acts;
+  thread_local ActBuffer acts;  // reused: a decode step calls this for every projection
   acts.init(m, w);
   for (I64 r = 0; r < m; ++r) {
     std::memcpy(acts.row(r), x + r * ldx, static_cast<size_t>(w.cols) * sizeof(float));
     acts.quantize(r, kt);
   }
   const Activations view = acts.view(m, nullptr, 0);
-  const I64 blk = task_rows(w.rows, 1, pool.size(), w.row_bytes);
+  const I64 blk = matmul_task_rows(w.rows, pool.size(), w.row_bytes);
   pool.parallel_for(ceil_div(w.rows, blk), [&](I64 task, int) {
     const I64 r0 = task * blk, r1 = std::min(w.rows, r0 + blk);
-    // rows [r0, r1) land in a task-local block, then move to y's columns
-    std::vector<float> block(static_cast<size_t>(m * (r1 - r0)));
-    kt.matmul(w, r0, r1, view, block.data(), r1 - r0, path);
-    for (I64 i = 0; i < m; ++i)
-      std::memcpy(y + i * w.rows + r0, block.data() + i * (r1 - r0), static_cast<size_t>(r1 - r0) * sizeof(float));
+    kt.matmul(w, r0, r1, view, y + r0, w.rows, path);  // rows [r0, r1) straight into y's columns
   });
 }
 

@@ -204,6 +204,10 @@ void ThreadPool::worker_main(int thread) {
 
 void ThreadPool::parallel_for(int64_t num_tasks, const std::function<void(int64_t, int)>& fn) {
   if (num_tasks <= 0) return;
+  if (num_tasks == 1) {  // nothing to share: waking the workers would only add their hand-off
+    fn(0, 0);
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     node_mode_ = false;

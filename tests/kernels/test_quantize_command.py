@@ -11,34 +11,44 @@ import torch
 from hybridmoe.checkpoint.fp8 import write_fp8_checkpoint
 from hybridmoe.checkpoint.safetensors_reader import CheckpointReader
 from hybridmoe.cli import main
-from hybridmoe.commands.quantize import expert_names, expert_output_errors, source_weight
+from hybridmoe.commands.quantize import expert_names, expert_output_errors, projection_names, source_weight
 from hybridmoe.kernels import formats, reference
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "mixtral"])
-@pytest.mark.parametrize("fmt,group", [("int4", 32), ("int8", 128)])
-def test_quantize_writes_int_experts_and_keeps_the_rest(tiny_model_dir, tmp_path, capsys, model_type, fmt, group):
+@pytest.mark.parametrize("fmt,group,scope", [("int4", 32, "all"), ("int8", 128, "all"), ("int4", 32, "experts")])
+def test_quantize_writes_int_weights_and_keeps_the_rest(tiny_model_dir, tmp_path, capsys, model_type, fmt, group,
+                                                        scope):
     src = tiny_model_dir(model_type)
     out = tmp_path / "q"
-    assert main(["quantize", "--model", str(src), "--to", fmt, "--group", str(group), "--out", str(out)]) == 0
+    extra = ["--experts-only"] if scope == "experts" else []
+    assert main(["quantize", "--model", str(src), "--to", fmt, "--group", str(group), "--out", str(out), *extra]) == 0
     report = capsys.readouterr().out
     assert "expert output error vs source" in report
+    assert ("projection output error vs source" in report) == (scope == "all")
     config = json.loads((out / "config.json").read_text())
     assert config["expert_quantization"] == {"method": fmt, "group_size": group, "scale_dtype": "bfloat16",
-                                             "layout": "hybridmoe-int-v1"}
+                                             "layout": "hybridmoe-int-v1", "scope": scope}
     assert (out / "tokenizer.json").exists()
     source, written = CheckpointReader(src), CheckpointReader(out)
     experts = expert_names(source.names())
     assert experts and expert_names(written.names()).keys() == experts.keys()
+    targets = {name: fmt for triple in experts.values() for name in triple}
+    targets.update({name: f or fmt for name, f in projection_names(source.names(), scope == "experts").items()})
+    if scope == "all":  # attention, the LM head (int8), MLPs; never routers, norms, embeddings or MLA's kv_b_proj
+        assert "lm_head.weight" in targets and targets["lm_head.weight"] == "int8"
+        assert any(".self_attn.o_proj" in name for name in targets)
+        assert not any(n.endswith(("mlp.gate.weight", "norm.weight", "embed_tokens.weight")) or "kv_b_proj" in n
+                       for n in targets)
     for name in source.names():
-        if any(name in triple for triple in experts.values()):
-            w = source.get(name).float()
+        if name in targets:
+            w, target = source.get(name).float(), targets[name]
             data, scales = written.get(name), written.get(name + "_scale")
             kp = formats.padded_cols(w.shape[1], group)
-            assert data.shape == (w.shape[0], kp // 2 if fmt == "int4" else kp)
+            assert data.shape == (w.shape[0], kp // 2 if target == "int4" else kp)
             assert scales.shape == (w.shape[0], kp // group) and scales.dtype == torch.bfloat16
-            error = (reference.dequantize(fmt, data, scales, cols=w.shape[1]) - w.double()).abs()
+            error = (reference.dequantize(target, data, scales, cols=w.shape[1]) - w.double()).abs()
             step = scales.double().repeat_interleave(group, 1)[:, :w.shape[1]]
             assert (error <= step * 0.51 + 1e-9).all()
         else:

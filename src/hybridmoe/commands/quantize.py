@@ -1,17 +1,22 @@
-"""`hybridmoe quantize [--model DIR] --to int4|int8 [--group 32|128] --out DIR2 [--overwrite]`: routed-expert
-weights -> int4 or int8 per group for the CPU kernels (default model: the embedded demo model).
+"""`hybridmoe quantize [--model DIR] --to int4|int8 [--group 32|128] --out DIR2 [--experts-only] [--overwrite]`:
+weights -> int4 or int8 per group for the CPU kernels, as llama.cpp's q4_0/q8_0 files do (default model: the
+embedded demo model).
 
-Reads BF16/FP16/FP32 or FP8 (block-scaled, dequantised exactly) expert weights from a checkpoint directory and
-writes a copy in which every routed-expert projection (`...experts.N.{gate,up,down}_proj.weight`, Mixtral's
-`w1/w3/w2`) is replaced by its int codes under the same name (int4: uint8 [N, Kp/2], two codes per byte; int8:
-int8 [N, Kp]; layout in hybridmoe.kernels.formats) plus `<name>_scale` (bfloat16/float16 [N, Kp/g]). Everything
-else (attention, shared experts, norms, FP8 non-expert tensors and their scales) is copied unchanged, shard by
-shard. config.json gains `expert_quantization` = {"method", "group_size", "scale_dtype", "layout"}. The copy is
-written next to DIR2 and moved into place when complete, its files readable as the umask allows; an existing DIR2
-is replaced only with --overwrite (and only when it is a model directory or empty).
+Reads BF16/FP16/FP32 or FP8 (block-scaled, dequantised exactly) weights from a checkpoint directory and writes a
+copy in which every projection is replaced by its int codes under the same name (int4: uint8 [N, Kp/2], two codes
+per byte; int8: int8 [N, Kp]; layout in hybridmoe.kernels.formats) plus `<name>_scale` (bfloat16/float16
+[N, Kp/g]): the routed experts (`...experts.N.{gate,up,down}_proj.weight`, Mixtral's `w1/w3/w2`) and, unless
+--experts-only, attention projections, dense and shared-expert MLPs and the LM head. The LM head is written in
+int8 even for --to int4: its error goes straight into every logit, and it is one matrix (llama.cpp's k-quant
+mixes likewise keep the output tensor at 6-8 bits). Embeddings, norms, routers (their choice of experts is
+sensitive and they are small) and MLA's kv_b_proj (absorbed per head into the query and the output) stay as
+they are, like everything else, copied shard by shard. config.json gains `expert_quantization` = {"method",
+"group_size", "scale_dtype", "layout", "scope": "all" | "experts"}. The copy is written next to DIR2 and moved
+into place when complete, its files readable as the umask allows; an existing DIR2 is replaced only with
+--overwrite (and only when it is a model directory or empty).
 
-Afterwards it reports the error of expert outputs, computed by the CPU kernels from the written int weights,
-against the source weights in float64, on random sample activations for a sample of experts.
+Afterwards it reports the output error of a sample of experts and of other projections, computed by the CPU
+kernels from the written int weights, against the source weights in float64 on random sample activations.
 
 Legend: N output rows, K input columns, Kp K padded to whole groups, g group size, H hidden, I intermediate.
 """
@@ -30,21 +35,26 @@ import torch
 
 EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts\.\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 GATE_UP_DOWN = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
+# every other projection a Linear multiplies (attention, dense and shared MLPs): not routers, not MLA's kv_b_proj
+PROJECTION_WEIGHT = re.compile(r"^(?!.*\.experts\.)(?!.*kv_b_proj).*_proj(_with_mqa)?\.weight$")
+LM_HEAD = "lm_head.weight"
 INT_SCALE_SUFFIX = "_scale"
 LAYOUT = "hybridmoe-int-v1"
 SCALE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("quantize", help="convert routed-expert weights to int4/int8 for the CPU kernels")
+    p = subparsers.add_parser("quantize", help="convert a model's projections to int4/int8 for the CPU kernels")
     p.add_argument("--model", default="demo",
                    help="source checkpoint directory (BF16/FP16/FP32 or FP8), or demo (the default): the embedded "
                         "demo model")
-    p.add_argument("--to", required=True, choices=("int4", "int8"), help="target expert format")
+    p.add_argument("--to", required=True, choices=("int4", "int8"), help="target format (the LM head: int8)")
     p.add_argument("--group", type=int, default=32, choices=(32, 128), help="columns per scale (default 32)")
     p.add_argument("--scale-dtype", default="bfloat16", choices=tuple(SCALE_DTYPES), help="scale dtype")
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.add_argument("--samples", type=int, default=8, help="experts whose outputs are checked (default 8)")
+    p.add_argument("--experts-only", action="store_true",
+                   help="quantise only the routed experts; attention, MLPs and the LM head keep their precision")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (a model directory)")
     p.set_defaults(func=run)
 
@@ -57,6 +67,15 @@ def expert_names(names: list[str]) -> dict[str, list[str]]:
         if match:
             experts.setdefault(match["prefix"], [None, None, None])[GATE_UP_DOWN[match["proj"]]] = name
     return {prefix: triple for prefix, triple in experts.items() if None not in triple}
+
+
+def projection_names(names: list[str], experts_only: bool) -> dict[str, str]:
+    """Every non-expert weight `quantize` converts -> its format suffix: "" (the --to format) or "int8" (the LM
+    head); empty with --experts-only."""
+    if experts_only:
+        return {}
+    return {name: "int8" if name == LM_HEAD else "" for name in names
+            if PROJECTION_WEIGHT.match(name) or name == LM_HEAD}
 
 
 def source_weight(reader, name: str, block: tuple[int, int]) -> torch.Tensor:
@@ -79,7 +98,6 @@ def run(args) -> int:
     from hybridmoe.checkpoint.fp8 import SCALE_SUFFIX
     from hybridmoe.checkpoint.safetensors_reader import CheckpointReader
     from hybridmoe.config import load_config
-    from hybridmoe.kernels import formats
 
     src, dst = resolve_model_dir(args.model), Path(args.out)
     if src.resolve() == dst.resolve():
@@ -94,12 +112,12 @@ def run(args) -> int:
     experts = expert_names(reader.names())
     if not experts:
         raise ValueError(f"{src}: no routed-expert weights found (names like ...experts.N.gate_proj.weight)")
-    quantize = formats.quantize_int4 if args.to == "int4" else formats.quantize_int8
+    targets = {name: args.to for triple in experts.values() for name in triple}
+    targets.update({name: fmt or args.to for name, fmt in projection_names(reader.names(), args.experts_only).items()})
     dst.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     try:
-        source_bytes, written_bytes, weight_map = _write_copy(reader, staging, experts, quantize, block, args,
-                                                              SCALE_SUFFIX)
+        source_bytes, written_bytes, weight_map = _write_copy(reader, staging, targets, block, args, SCALE_SUFFIX)
         _write_metadata(src, staging, weight_map, args)
         _readable_as_umask_allows(staging)
         if dst.exists():
@@ -107,9 +125,12 @@ def run(args) -> int:
         staging.rename(dst)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    print(f"wrote {dst}: {len(experts)} experts, {source_bytes / 2**20:.1f} MiB of expert weights -> "
-          f"{written_bytes / 2**20:.1f} MiB ({args.to}, group {args.group}, {args.scale_dtype} scales)")
-    _report_error(reader, CheckpointReader(dst), experts, args, block)
+    others = len(targets) - 3 * len(experts)
+    print(f"wrote {dst}: {len(experts)} experts" + (f" and {others} other projections" if others else "")
+          + f", {source_bytes / 2**20:.1f} MiB of weights -> {written_bytes / 2**20:.1f} MiB ({args.to}"
+          + (", LM head int8" if LM_HEAD in targets and args.to == "int4" else "")
+          + f", group {args.group}, {args.scale_dtype} scales)")
+    _report_error(reader, CheckpointReader(dst), experts, targets, args, block)
     return 0
 
 
@@ -135,32 +156,34 @@ def _readable_as_umask_allows(directory: Path) -> None:
         item.chmod(0o666 & ~umask)
 
 
-def _write_copy(reader, dst: Path, experts, quantize, block, args,
+def _write_copy(reader, dst: Path, targets: dict[str, str], block, args,
                 scale_suffix: str) -> tuple[int, int, dict[str, str]]:
-    """Every shard of the source, its expert weights quantised, into dst; -> (source, written) expert bytes and the
-    weight map (tensor name -> file name)."""
+    """Every shard of the source, the `targets` (name -> int4|int8) quantised, into dst; -> (source, written)
+    bytes of the quantised weights and the weight map (tensor name -> file name)."""
     from rich.progress import Progress
     from safetensors.torch import save_file
 
-    expert_tensors = {name for triple in experts.values() for name in triple}
-    scale_dtype = SCALE_DTYPES[args.scale_dtype]
+    from hybridmoe.kernels import formats
 
+    quantizers = {"int4": formats.quantize_int4, "int8": formats.quantize_int8}
+    scale_dtype = SCALE_DTYPES[args.scale_dtype]
     by_file: dict[Path, list[str]] = {}
     for name in reader.names():
         by_file.setdefault(Path(reader.entry(name).file), []).append(name)
     weight_map: dict[str, str] = {}
     source_bytes = written_bytes = 0
     with Progress() as progress:
-        task = progress.add_task(f"quantising experts to {args.to} (group {args.group})", total=len(expert_tensors))
+        task = progress.add_task(f"quantising to {args.to} (group {args.group})", total=len(targets))
         for file, names in by_file.items():
             tensors: dict[str, torch.Tensor] = {}
             for name in names:
-                if name.endswith(scale_suffix) and name[: -len(scale_suffix)] in expert_tensors:
+                if name.endswith(scale_suffix) and name[: -len(scale_suffix)] in targets:
                     source_bytes += reader.entry(name).nbytes
-                    continue  # the FP8 block scale of an expert weight: replaced by the int group scales
-                if name in expert_tensors:
+                    continue  # the FP8 block scale of a quantised weight: replaced by the int group scales
+                if name in targets:
                     source_bytes += reader.entry(name).nbytes
-                    data, scales = quantize(source_weight(reader, name, block), args.group, scale_dtype)
+                    data, scales = quantizers[targets[name]](source_weight(reader, name, block), args.group,
+                                                             scale_dtype)
                     tensors[name], tensors[name + INT_SCALE_SUFFIX] = data, scales
                     written_bytes += data.numel() * data.element_size() + scales.numel() * scales.element_size()
                     progress.advance(task)
@@ -181,7 +204,7 @@ def _write_metadata(src: Path, dst: Path, weight_map: dict[str, str], args) -> N
             shutil.copy2(item, dst / item.name)
     raw = json.loads((src / "config.json").read_text())
     raw["expert_quantization"] = {"method": args.to, "group_size": args.group, "scale_dtype": args.scale_dtype,
-                                  "layout": LAYOUT}
+                                  "layout": LAYOUT, "scope": "experts" if args.experts_only else "all"}
     (dst / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
 
 
@@ -208,7 +231,31 @@ def expert_output_errors(source, written, experts: dict[str, list[str]], fmt: st
     return errors
 
 
-def _report_error(source, written, experts, args, block) -> None:
+def projection_output_errors(source, written, names: list[str], samples: int, block: tuple[int, int],
+                             seed: int = 0) -> list[float]:
+    """Relative error (max-norm) of sampled projections: the kernels' Linear on the written int weights vs float64
+    on the source weights, for 16 random activation rows ~ N(0, 1)."""
+    from hybridmoe.layers.linear import Linear
+
+    rng = random.Random(seed)
+    errors = []
+    for name in rng.sample(sorted(names), min(samples, len(names))):
+        w = source_weight(source, name, block).double()
+        x = torch.randn(16, w.shape[1], generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        data, scales = written.get(name), written.get(name + INT_SCALE_SUFFIX)
+        linear = Linear("int4" if data.dtype == torch.uint8 else "int8", data, scales, cols=w.shape[1])
+        ref = x.double() @ w.T
+        errors.append(((linear(x).double() - ref).abs().max() / ref.abs().max()).item())
+    return errors
+
+
+def _report_error(source, written, experts, targets, args, block) -> None:
     errors = expert_output_errors(source, written, experts, args.to, args.samples, block)
     print(f"expert output error vs source ({len(errors)} sampled experts, 16 random activations each, "
           f"max |out - ref| / max |ref|): mean {sum(errors) / len(errors):.4f}, max {max(errors):.4f}")
+    expert_tensors = {name for triple in experts.values() for name in triple}
+    others = [name for name in targets if name not in expert_tensors]
+    if others:
+        errors = projection_output_errors(source, written, others, args.samples, block)
+        print(f"projection output error vs source ({len(errors)} sampled projections, the LM head int8): "
+              f"mean {sum(errors) / len(errors):.4f}, max {max(errors):.4f}")

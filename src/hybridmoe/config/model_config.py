@@ -68,11 +68,13 @@ class QuantConfig:
 
 @dataclass(frozen=True)
 class ExpertQuantConfig:
-    """Routed experts stored as int4/int8 per group (written by `hybridmoe quantize`)."""
+    """Weights stored as int4/int8 per group (written by `hybridmoe quantize`): the routed experts, and with scope
+    "all" every other projection too (the LM head in int8; embeddings, norms, routers and MLA's kv_b stay)."""
 
     method: str  # "int4" | "int8"
     group_size: int  # 32 | 128 columns per scale
     scale_dtype: str = "bfloat16"  # "bfloat16" | "float16"
+    scope: str = "experts"  # "experts" | "all"
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Quantisation fields, shared by every family: a checkpoint's FP8 block format (`quantization_config`) and
-routed experts written as int4/int8 by `hybridmoe quantize` (`expert_quantization`)."""
+weights written as int4/int8 by `hybridmoe quantize` (`expert_quantization`: the routed experts, or
+every projection)."""
 
 from __future__ import annotations
 
@@ -33,4 +34,5 @@ def parse_expert_quant(f: Fields) -> ExpertQuantConfig | None:
     sub = Fields(q, f"{f.source} (expert_quantization)")
     return ExpertQuantConfig(method=sub.choice("method", ("int4", "int8")),
                              group_size=int(sub.choice("group_size", (32, 128))),
-                             scale_dtype=sub.choice("scale_dtype", ("bfloat16", "float16"), "bfloat16"))
+                             scale_dtype=sub.choice("scale_dtype", ("bfloat16", "float16"), "bfloat16"),
+                             scope=sub.choice("scope", ("experts", "all"), "experts"))

@@ -142,8 +142,9 @@ def matmul(w: _native.Matrix, x: torch.Tensor, path: str = "auto") -> torch.Tens
     """x [M, K] float32 @ W^T -> [M, N] float32 on the kernels (blocking)."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    x = x.float().contiguous()
-    out = torch.empty(x.shape[0], w.rows, dtype=torch.float32)
+    if x.dtype != torch.float32 or not x.is_contiguous():  # a same-dtype .float().contiguous() still costs ~1 us
+        x = x.float().contiguous()
+    out = torch.empty((x.shape[0], w.rows), dtype=torch.float32)
     if x.shape[0]:
         _native.matmul(w, _dlpack(x), _dlpack(out), path)
     return out

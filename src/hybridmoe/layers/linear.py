@@ -47,13 +47,12 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.cols)  # [T, K]
-        tokens = x2.shape[0]
+        if x.dim() != 2:
+            return self(x.reshape(-1, self.cols)).view(*x.shape[:-1], self.rows)
         weight = self.weight
-        if weight is not None and tokens >= FLOAT_KERNEL_MAX_TOKENS:
+        if weight is not None and x.shape[0] >= FLOAT_KERNEL_MAX_TOKENS:
             return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype), self.bias)
-        y = matmul(self.matrix, x2) if tokens else x2.new_empty((0, self.rows), dtype=torch.float32)  # [T, N]
+        y = matmul(self.matrix, x)  # [T, N] float32; a decode step runs this for every projection: lean
         if self.bias is not None:
             y += self.bias
-        return y.to(x.dtype).view(*lead, self.rows)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)

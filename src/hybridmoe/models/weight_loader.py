@@ -45,10 +45,9 @@ class WeightLoader:
         int4/int8 per group (quantised by `hybridmoe quantize`), else float in the compute dtype; with the bias
         tensor `bias` (compute dtype) when given."""
         b = self.dense(bias, (shape[0],)) if bias is not None else None
-        quant = self.config.expert_quantization
-        if quant is not None and name + "_scale" in self.reader:
-            data, scales = self._int_matrix(name, shape)
-            return Linear(quant.method, data, scales, cols=shape[1], bias=b, name=name)
+        if self.config.expert_quantization is not None and name + "_scale" in self.reader:
+            fmt, data, scales = self._int_matrix(name, shape)
+            return Linear(fmt, data, scales, cols=shape[1], bias=b, name=name)
         tensor = self.reader.get_checked(name, shape, FLOAT_DTYPES + FP8_DTYPES)
         if tensor.dtype in FP8_DTYPES:
             self.used.add(name)
@@ -92,29 +91,36 @@ class WeightLoader:
 
     def _int_experts(self, names: Iterable[tuple[str, str, str]], inter: int, hidden: int) -> ExpertWeights:
         """int4/int8 per-group experts as written by `hybridmoe quantize` (layout in kernels.formats)."""
+        method = self.config.expert_quantization.method
         parts: tuple[list, ...] = ([], [], [], [], [], [])  # gate, up, down, and their scales
         for triple in names:
             for proj, (name, shape) in enumerate(zip(triple, ((inter, hidden), (inter, hidden), (hidden, inter)))):
-                data, scales = self._int_matrix(name, shape)
+                fmt, data, scales = self._int_matrix(name, shape)
+                if fmt != method:
+                    raise CheckpointError(f"{self.reader.entry(name).file}: expert tensor {name!r} is {fmt}, the "
+                                          f"config's expert_quantization says {method}")
                 parts[proj].append(data)
                 parts[3 + proj].append(scales)
-        return ExpertWeights(self.config.expert_quantization.method, *parts)
+        return ExpertWeights(method, *parts)
 
-    def _int_matrix(self, name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(data, scales) of an int4/int8 per-group matrix of logical shape [N, K] (layout: kernels.formats)."""
+    def _int_matrix(self, name: str, shape: tuple[int, int]) -> tuple[str, torch.Tensor, torch.Tensor]:
+        """(format, data, scales) of an int4/int8 per-group matrix of logical shape [N, K] (layout:
+        kernels.formats). The format follows from the stored dtype (int4: two codes per uint8, int8: int8), so
+        one checkpoint may hold both (an int4 model keeps its LM head in int8); the group size from the config."""
         quant = self.config.expert_quantization
-        group, fmt = quant.group_size, quant.method
-        data_dtype, per_byte = (torch.uint8, 2) if fmt == "int4" else (torch.int8, 1)
+        group = quant.group_size
+        stored = self.reader.entry(name).dtype
+        fmt, per_byte = ("int4", 2) if stored == torch.uint8 else ("int8", 1)
         scale_dtype = torch.bfloat16 if quant.scale_dtype == "bfloat16" else torch.float16
         rows, cols = shape
         padded = -(-cols // group) * group
-        data = self.reader.get_checked(name, (rows, padded // per_byte), (data_dtype,))
+        data = self.reader.get_checked(name, (rows, padded // per_byte), (torch.uint8, torch.int8))
         scale_name = name + "_scale"
         if scale_name not in self.reader:
             raise CheckpointError(f"{self.reader.entry(name).file}: {fmt} tensor {name!r} has no {scale_name!r}")
         scales = self.reader.get_checked(scale_name, (rows, padded // group), (scale_dtype,))
         self.used.update((name, scale_name))
-        return data, scales
+        return fmt, data, scales
 
     def _scale(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         scale_name = name + SCALE_SUFFIX

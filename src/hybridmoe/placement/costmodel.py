@@ -57,7 +57,7 @@ class CostModel:
         self.machine, self.spec = machine, spec
         self.cpu, self.gpu = machine.cpu, machine.gpu
         self.expert_fmt: WeightFormat = weight_format(expert_format or spec.expert_format)
-        self.dense_fmt: WeightFormat = weight_format(dense_format or spec.native_format)
+        self.dense_fmt: WeightFormat = weight_format(dense_format or spec.dense_format)
         self.mla_form = mla_form
         moe_layers = tuple(l.index for l in spec.moe_layers)
         self.routing = routing or RoutingStats.uniform(moe_layers, spec.num_experts, spec.top_k)

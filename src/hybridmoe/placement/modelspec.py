@@ -101,9 +101,12 @@ class ModelSpec:
         self.lm_head = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
         self.final_norm = c.hidden_size
         self.native_format = "fp8" if c.quantization is not None else "bf16"
-        # routed experts as stored: quantised by `hybridmoe quantize`, FP8, or the checkpoint's float type
+        # routed experts as stored: quantised by `hybridmoe quantize`, FP8, or the checkpoint's float type; the
+        # other projections quantised too where quantize converted them all
         stored = {"float32": "fp32", "float16": "fp16"}.get(c.torch_dtype, self.native_format)
-        self.expert_format = c.expert_quantization.method if c.expert_quantization else stored
+        quant = c.expert_quantization
+        self.expert_format = quant.method if quant else stored
+        self.dense_format = quant.method if quant and quant.scope == "all" else self.native_format
 
     # ---- weights -------------------------------------------------------------------------------------
     @functools.cached_property
