@@ -131,6 +131,16 @@ class AsyncLLMEngine:
         self._inbox.put(("abort", req_id))
 
     @property
+    def tokenizer(self):
+        """The model's Tokenizer (runtime.tokenizer); once loaded."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens (prompt + output) one request may hold; once loaded."""
+        return self.engine.max_model_len
+
+    @property
     def num_unfinished_requests(self) -> int:
         """Requests handed to generate() that have not finished yet (queued here, waiting or running)."""
         return len(self._streams)

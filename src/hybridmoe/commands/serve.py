@@ -1,0 +1,52 @@
+"""`hybridmoe serve [--model DIR] [--host 127.0.0.1] [--port 8000]`: the OpenAI-compatible HTTP server (default
+model: the embedded demo model). See docs/serving.md."""
+
+from __future__ import annotations
+
+import logging
+
+from hybridmoe.commands._generation import add_model_arguments
+from hybridmoe.runtime.async_engine import AsyncLLMEngine
+from hybridmoe.runtime.engine import EngineConfig
+from hybridmoe.serve.api_server import run_server
+from hybridmoe.serve.state import ServerSettings
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model's name in the API (default: the --model argument)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="most tokens (prompt + output) per request (default: the model's, capped by the cache)")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="most requests running at once (default 32)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="token budget of one engine step (default 2048)")
+    parser.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="requests accepted but not yet running past which new ones get 429 (default 1024)")
+    parser.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
+                        help="largest request body; larger ones get 413 (default 16 MiB)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM/SIGINT, seconds the requests in flight may take to finish before they are "
+                             "aborted (default 30)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    for name in ("port", "max_waiting_requests", "max_request_bytes"):
+        if getattr(args, name) < (0 if name == "max_waiting_requests" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    config = EngineConfig(dtype=args.dtype, kv_cache_gb=args.kv_cache_gb, expert_backend=args.expert_backend,
+                          enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    settings = ServerSettings(served_model_name=args.served_model_name or str(args.model), api_key=args.api_key,
+                              max_waiting_requests=args.max_waiting_requests,
+                              max_request_bytes=args.max_request_bytes)
+    engine = AsyncLLMEngine(args.model, config)
+    return run_server(engine, settings, args.host, args.port, args.shutdown_timeout, args.log_level)
