@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from hybridmoe.runtime.async_engine import AsyncLLMEngine
 from hybridmoe.runtime.engine import EngineConfig
@@ -25,15 +26,14 @@ class RunningServer:
     url: str  # http://127.0.0.1:PORT
     engine: AsyncLLMEngine
 
-    def metrics(self) -> dict[str, float]:
-        """GET /metrics -> {'name{labels}': value} (comments left out)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line and not line.startswith("#")}
-
     def metric(self, name: str, **labels: str) -> float:
-        wanted = ",".join([f'model_name="{MODEL_NAME}"'] + [f'{k}="{v}"' for k, v in labels.items()])
-        return self.metrics()[f"hybridmoe:{name}{{{wanted}}}"]
+        """The value of hybridmoe:NAME{model_name="tiny", **labels} in GET /metrics."""
+        wanted = {"model_name": MODEL_NAME, **labels}
+        for family in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=10).text):
+            for sample in family.samples:
+                if sample.name == "hybridmoe:" + name and sample.labels == wanted:
+                    return sample.value
+        raise KeyError(f"hybridmoe:{name}{wanted} is not in /metrics")
 
 
 @contextlib.contextmanager

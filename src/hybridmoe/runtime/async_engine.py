@@ -52,12 +52,13 @@ class AsyncLLMEngine:
     def __init__(self, model: str | Path, config: EngineConfig | None = None,
                  on_request_finished: Callable[[RequestOutput], None] | None = None,
                  engine_factory: Callable[[], LLMEngine] | None = None):
-        """model, config: as LLMEngine takes them (loaded on the engine thread by start()). on_request_finished is
-        called on the engine thread with the last output of every request (finished, aborted or failed).
+        """model, config: as LLMEngine takes them (loaded on the engine thread by start()). on_request_finished
+        (also settable as the attribute, before start) is called on the engine thread with the last output of every
+        request (finished, aborted or failed).
         engine_factory, when given, builds the LLMEngine instead (model and config are then only names)."""
         self.model = model
         self._factory = engine_factory or (lambda: LLMEngine(model, config))
-        self._on_finished = on_request_finished
+        self.on_request_finished = on_request_finished
         self.engine: LLMEngine | None = None  # set once loaded; used by the engine thread only after that
         self.load_error: BaseException | None = None
         self._loaded = threading.Event()
@@ -160,6 +161,7 @@ class AsyncLLMEngine:
         finally:
             self._loaded.set()
         engine = self.engine
+        self._stats = engine.stats()
         stopping = False
         while not (stopping and not engine.has_unfinished_requests()):
             if self._handle_commands(block=not engine.has_unfinished_requests() and not stopping):
@@ -225,8 +227,8 @@ class AsyncLLMEngine:
         for out in outputs:
             with self._lock:
                 stream = self._streams.pop(out.req_id) if out.finished else self._streams.get(out.req_id)
-            if out.finished and self._on_finished is not None:
-                self._on_finished(out)
+            if out.finished and self.on_request_finished is not None:
+                self.on_request_finished(out)
             if stream is not None:
                 by_loop.setdefault(stream.loop, []).append((stream.queue, out))
         for loop, items in by_loop.items():

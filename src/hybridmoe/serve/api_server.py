@@ -40,6 +40,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, on_load_failed=Non
     """The app serving engine (started, and shut down, by the app's lifespan). on_load_failed() is called when the
     model fails to load."""
     state = ServerState(engine, settings)
+    engine.on_request_finished = state.metrics.on_request_finished
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

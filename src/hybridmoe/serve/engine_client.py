@@ -3,7 +3,7 @@ runs elsewhere (hybrid execution, prefill/decode workers) plugs in by offering t
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from hybridmoe.runtime.engine import RequestOutput
@@ -14,6 +14,7 @@ from hybridmoe.runtime.tokenizer import Tokenizer
 
 class EngineClient(Protocol):
     load_error: BaseException | None  # why loading failed, else None
+    on_request_finished: Callable[[RequestOutput], None] | None  # called with every request's last output
 
     @property
     def is_ready(self) -> bool: ...  # loaded and not shut down
