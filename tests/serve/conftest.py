@@ -39,7 +39,7 @@ class RunningServer:
 @contextlib.contextmanager
 def running_server(engine: AsyncLLMEngine, wait_ready: bool = True, **settings):
     """Serve engine on 127.0.0.1 (a free port) until the block ends; settings: ServerSettings fields."""
-    app = build_app(engine, ServerSettings(served_model_name=MODEL_NAME, **settings))
+    app = build_app(engine, ServerSettings(**{"served_model_name": MODEL_NAME, **settings}))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))

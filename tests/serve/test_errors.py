@@ -45,6 +45,8 @@ def _error(response: httpx.Response, status: int, param: str | None = None) -> s
     ({**CHAT, "top_logprobs": 2}, "top_logprobs", "not supported"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "not supported"),
     ({**CHAT, "presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+    ({**CHAT, "stream": "sometimes"}, "stream", "boolean"),
+    ({**CHAT, "stop": [1]}, "stop", None),
     ({**CHAT, "max_tokens": 4000}, "max_tokens", "maximum context length"),
     ({**CHAT, "max_completion_tokens": 4000}, "max_completion_tokens", "maximum context length"),
     ([1, 2], None, "valid dictionary"),

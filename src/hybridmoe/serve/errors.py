@@ -41,15 +41,17 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code}}
 
 
+_TYPE_LABELS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _location(loc: tuple) -> str | None:
     """A pydantic error location -> the field as a client writes it: messages[0].content."""
-    parts = [p for p in loc if p != "body"]
     text = ""
-    for part in parts:
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
         if isinstance(part, int):
             text += f"[{part}]"
-        elif not str(part).startswith(("function-", "list[", "str", "int", "literal[", "constrained-")):
-            text += ("." if text else "") + str(part)  # skip pydantic's union-branch labels
+        elif "[" not in part and "-" not in part and part not in _TYPE_LABELS:  # not a union branch's label
+            text += ("." if text else "") + part
     return text or None
 
 
