@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from hybridmoe import LLM, SamplingParams
-from hybridmoe.runtime.async_engine import AsyncLLMEngine, EngineNotReadyError
+from hybridmoe.runtime.async_engine import AsyncLLMEngine, EngineNotReadyError, EngineStepError
 from hybridmoe.runtime.engine import EngineConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -93,6 +93,19 @@ def test_refusals_and_a_failed_step_reach_only_their_callers(model_dir):
             assert outs[-1].finish_reason == "error" and "injected failure" in outs[-1].error
             outs = [out async for out in engine.generate(PROMPTS[1], GREEDY)]
             assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 10
+
+            scheduler = engine.engine.scheduler
+            real_schedule = scheduler.schedule
+
+            def failing_schedule():  # a failure outside the model run: the requests in flight end, nothing else
+                scheduler.schedule = real_schedule
+                raise RuntimeError("scheduler bug")
+            scheduler.schedule = failing_schedule
+            with pytest.raises(EngineStepError, match="scheduler bug"):
+                async for _ in engine.generate(PROMPTS[2], GREEDY):
+                    pass
+            outs = [out async for out in engine.generate(PROMPTS[2], GREEDY)]
+            assert outs[-1].finish_reason == "length" and engine.stats().kv_blocks_used == 0
         finally:
             engine.shutdown()
     _run(main())

@@ -226,7 +226,7 @@ class AsyncLLMEngine:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             with self._lock:
-                stream = self._streams.pop(out.req_id) if out.finished else self._streams.get(out.req_id)
+                stream = self._streams.pop(out.req_id, None) if out.finished else self._streams.get(out.req_id)
             if out.finished and self.on_request_finished is not None:
                 self.on_request_finished(out)
             if stream is not None:
