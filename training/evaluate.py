@@ -17,6 +17,7 @@ import json
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ CHAT_PROMPTS = [[{"role": "user", "content": "Tell me a fortune."}],
                 [{"role": "user", "content": "What does math.sqrt do in Python?"}],
                 [{"role": "user", "content": "Who are you?"}],
                 [{"role": "user", "content": "Count from 3 to 9."}]]
+HELDOUT_WINDOW = 512  # predicted tokens per held-out perplexity window
 
 
 def load_float32(model_dir: Path) -> DeepseekV3ForCausalLM:
@@ -59,19 +61,28 @@ def load_fp8_dequantized(fp8_dir: Path) -> DeepseekV3ForCausalLM:
         return load_float32(Path(tmp))
 
 
+def transformers_logits(model) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A transformers causal LM as heldout_perplexity's logits_of: ids [W] -> float32 logits [W, V]."""
+    return lambda ids: model(input_ids=ids[None]).logits[0].float()
+
+
 @torch.no_grad()
-def heldout_perplexity(model, documents: dict[str, list[list[int]]], window: int, max_tokens: int) -> dict:
+def heldout_perplexity(logits_of: Callable[[torch.Tensor], torch.Tensor], documents: dict[str, list[list[int]]],
+                       window: int, max_tokens: int) -> dict:
+    """Perplexity per source: its documents' tokens concatenated, the first max_tokens predicted, in consecutive
+    windows of `window` predictions each starting from an empty context; logits_of(ids [W]) -> logits [W, V]
+    (the next-token logits after each of the W ids; any model: transformers_logits, or an engine's)."""
     results = {}
     for source, docs in sorted(documents.items()):
         stream = [t for doc in docs for t in doc][: max_tokens + 1]
         total_nll, count = 0.0, 0
         for start in range(0, len(stream) - 1, window):
-            ids = torch.tensor(stream[start: start + window + 1])[None]  # [1, W+1]
-            if ids.shape[1] < 2:
+            ids = torch.tensor(stream[start: start + window + 1])  # [W+1]
+            if ids.shape[0] < 2:
                 break
-            logits = model(input_ids=ids[:, :-1]).logits.float()  # [1, W, V]
-            nll = torch.nn.functional.cross_entropy(logits[0], ids[0, 1:], reduction="sum")
-            total_nll, count = total_nll + nll.item(), count + ids.shape[1] - 1
+            logits = logits_of(ids[:-1]).float()  # [W, V]
+            nll = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum")
+            total_nll, count = total_nll + nll.item(), count + ids.shape[0] - 1
         results[source] = {"perplexity": round(float(torch.tensor(total_nll / count).exp()), 3), "tokens": count}
     return results
 
@@ -165,12 +176,12 @@ def main() -> None:
     heldout = data_stream.tokenize_split(data_stream.load_tokenizer(args.model), "heldout")
     fortune_filler = passkey.filler_sentences_from_fortunes(sources.read_fortunes())
     lengths, seed, max_new = EVAL["passkey_lengths"], EVAL["passkey_seed"], EVAL["sample_max_new_tokens"]
-    window, max_tokens = 512, args.heldout_tokens
+    window, max_tokens = HELDOUT_WINDOW, args.heldout_tokens
 
     model = load_float32(args.model)
     report = {"model": str(args.model.name), "parameters": sum(p.numel() for p in model.parameters())}
     load = ExpertLoad(model)
-    report["heldout"] = heldout_perplexity(model, heldout, window, max_tokens)
+    report["heldout"] = heldout_perplexity(transformers_logits(model), heldout, window, max_tokens)
     report["expert_load"] = load.detach()
     print("expert load max/mean per MoE layer", report["expert_load"]["max_over_mean"], flush=True)
     print("heldout", report["heldout"], flush=True)
@@ -186,7 +197,7 @@ def main() -> None:
 
     if (args.fp8 / "config.json").exists():
         fp8 = load_fp8_dequantized(args.fp8)
-        report["fp8"] = {"heldout": heldout_perplexity(fp8, heldout, window, max_tokens),
+        report["fp8"] = {"heldout": heldout_perplexity(transformers_logits(fp8), heldout, window, max_tokens),
                          "passkey_classic": passkey_accuracy(fp8, tokenizer, lengths[1:2], args.trials, seed)}
         fp8_samples = samples(fp8, tokenizer, max_new)
         report["fp8"]["same_greedy_tokens_as_bf16"] = sum(
