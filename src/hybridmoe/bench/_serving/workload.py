@@ -16,9 +16,10 @@ tokenizer; the server's `usage.prompt_tokens` in each record says what a prompt 
 English words (WORDS), most of them one token each even in the demo model's 4,096-token vocabulary, which makes
 about 4.3 characters a token of it: the demo model's prompts come out about 6% shorter than asked.
 
-Every random choice comes from seeded RNGs: in closed loop each user has its own, so the requests a user sends
-do not depend on timing; in open loop the arrival times and each arrival's kind and text come in arrival order,
-and only which idle conversation a chat arrival continues depends on the timing.
+Every random choice comes from seeded RNGs: in closed loop each user has its own, so the kind and text of a user's
+n-th request do not depend on timing (how many requests each user gets to send does); in open loop the arrival
+times and each arrival's kind and text come in arrival order, and only which idle conversation a chat arrival
+continues depends on the timing.
 """
 
 from __future__ import annotations
