@@ -12,8 +12,8 @@ import pytest
 from hybridmoe.bench._serving.records import RequestRecord
 from hybridmoe.bench._serving.report import SLO, format_summary, summarize
 from hybridmoe.bench._serving.server import ServerError, ServerProcess, check_loopback
-from hybridmoe.bench._serving.workload import (CHAT, COMPLETIONS, WORDS, User, Workload, WorkloadSpec,
-                                               poisson_arrivals, words_text)
+from hybridmoe.bench._serving.workload import (CHAT, COMPLETIONS, WORDS, Workload, WorkloadSpec, poisson_arrivals,
+                                               words_text)
 from hybridmoe.cli import main
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
