@@ -149,20 +149,18 @@ def test_tables_that_do_not_cover_the_model_leave_the_roofline():
 
 # ---- the shapes are the engine's: traced on our engine (counted, not timed) ------------------------------
 def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
-    """F.linear shapes (rows, cols, tokens), einsum shapes (batch, rows, cols, tokens) and SDPA calls of one
-    step of our engine."""
+    """Projections (rows, cols, tokens) run through layers.linear.Linear, einsum shapes (batch, rows, cols, tokens)
+    and SDPA calls of one step of our engine."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from hybridmoe.layers.linear import Linear
     from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
 
     linears, einsums, attention = [], [], [0]
 
     class Trace(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.linear.default:
-                x, w = args[0], args[1]
-                linears.append((w.shape[0], w.shape[1], x.numel() // x.shape[-1]))
-            elif func is torch.ops.aten.einsum.default:
+            if func is torch.ops.aten.einsum.default:
                 (a, b), out = args[0].split("->")[0].split(","), args[0].split("->")[1]
                 x, w = args[1]
                 batch = next(i for i in a if i in b and i in out)
@@ -176,11 +174,21 @@ def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
 
     runner = ModelRunner(model, 8, 16)
     tokens = list(range(3, 3 + context))
+    project = Linear.__call__
+
+    def recording(self, x):
+        linears.append((self.rows, self.cols, x.numel() // x.shape[-1]))
+        return project(self, x)
+
     with torch.inference_mode():
         if queries == 1:
             runner.forward([SequenceChunk(tokens[:-1], 0, list(range(8)))])
-        with Trace():
-            runner.forward([SequenceChunk(tokens[-queries:], context - queries, list(range(8)))])
+        Linear.__call__ = recording
+        try:
+            with Trace():
+                runner.forward([SequenceChunk(tokens[-queries:], context - queries, list(range(8)))])
+        finally:
+            Linear.__call__ = project
     return sorted(linears), sorted(einsums), attention[0]
 
 
