@@ -1,6 +1,6 @@
 """This engine's op tables on this machine (placement/op_tables.py): each op timed as it runs inside the engine.
 
-For one model (loaded into the engine in its default compute dtype), `measure_op_tables` times: a matmul at each
+For one model (loaded into the engine in its default compute dtype), `measure_op_tables` times: a projection at each
 weight shape the model's parts multiply against tokens (weights rotated through as many bytes as the model's
 weights hold, at most twice the last-level cache, so they come from where the engine finds them) and the fixed
 cost of a 16x16 one; MLA's absorption einsums on the engine's strided views of kv_b_proj; the engine's paged-cache
@@ -64,23 +64,27 @@ def minimal_width_copy(model_dir: Path, out: Path) -> Path:
 
 def measure_linear(timer: OpTimer, shapes: list[tuple[int, int]], dtype: torch.dtype,
                    pool_bytes: int) -> tuple[dict[tuple[int, int], SecondsTable], float]:
-    """Seconds of F.linear(x [T, cols], W [rows, cols]) for each weight shape against LINEAR_TOKENS (those
-    within LINEAR_MAX_FLOPS), each call with the next weights of a pool of `pool_bytes` of copies (or one, if
-    larger). Also the fixed cost of one call (a 16x16 weight, one token)."""
+    """Seconds of the engine's projection (layers.linear.Linear: the kernels at few tokens, torch's matmul from
+    FLOAT_KERNEL_MAX_TOKENS on) of x [T, cols] through a rows x cols weight, for each weight shape against
+    LINEAR_TOKENS (those within LINEAR_MAX_FLOPS), each call with the next weights of a pool of `pool_bytes` of
+    copies (or one, if larger). Also the fixed cost of one call (a 16x16 weight, one token)."""
+    from hybridmoe.layers.linear import Linear
+
     pool = torch.randn(max(pool_bytes, 1) // dtype.itemsize, dtype=dtype)
     tables = {}
     for rows, cols in shapes:
         size = rows * cols
         weights = ([pool[k * size:(k + 1) * size].view(rows, cols) for k in range(pool.numel() // size)]
                    or [torch.randn(rows, cols, dtype=dtype)])
+        projections = [Linear.dense(w) for w in weights]
         tokens = [t for t in LINEAR_TOKENS if t == 1 or 2 * size * t <= LINEAR_MAX_FLOPS]
         seconds = []
         for t in tokens:
             x = torch.randn(t, cols, dtype=dtype)
-            seconds.append(timer.median_s(rotating(weights, lambda w: torch.nn.functional.linear(x, w))))
+            seconds.append(timer.median_s(rotating(projections, lambda projection: projection(x))))
         tables[(rows, cols)] = SecondsTable(tuple(tokens), tuple(seconds))
-    x, w = torch.randn(1, 16, dtype=dtype), torch.randn(16, 16, dtype=dtype)
-    return tables, timer.median_s(lambda: torch.nn.functional.linear(x, w), min_repeats=20)
+    x, tiny = torch.randn(1, 16, dtype=dtype), Linear.dense(torch.randn(16, 16, dtype=dtype))
+    return tables, timer.median_s(lambda: tiny(x), min_repeats=20)
 
 
 def measure_einsums(timer: OpTimer, config, dtype: torch.dtype) -> dict[tuple[int, int, int], SecondsTable]:
@@ -268,7 +272,7 @@ class OpTableBench:
             host=measure_host(self.tiny), threads=torch.get_num_threads(), dtype=str(dtype).removeprefix("torch."),
             notes={"ops": "matmul, einsum, attention and expert calls timed right after a step of the engine on "
                           "the minimal-width copy; elementwise ops back to back",
-                   "linear": f"F.linear at the model's weight shapes, weights rotated through {pool >> 20} MiB",
+                   "linear": f"the engine's projections at the model's weight shapes, weights rotated through {pool >> 20} MiB",
                    "attention": "the engine's paged-cache gather + attend at the model's head shape",
                    "experts": f"the engine's FusedMoE ({moe.fmt}, H={moe.hidden_size}, I={moe.intermediate_size}), "
                               "seconds per active expert",
