@@ -26,7 +26,7 @@ class Linear:
 
     def __init__(self, fmt: str, data: torch.Tensor, scales: torch.Tensor | None = None, *, cols: int,
                  bias: torch.Tensor | None = None, block: tuple[int, int] = (128, 128), name: str = "weight"):
-        self.fmt, self.rows, self.cols, self.bias = fmt, data.shape[0], cols, bias
+        self.fmt, self.rows, self.cols, self.bias, self.block = fmt, data.shape[0], cols, bias, block
         self.data, self.scales = data, scales  # the matrix reads this memory: keep it alive
         self.matrix = kernel_matrix(fmt, data, scales, cols=cols, block=block, name=name)
 

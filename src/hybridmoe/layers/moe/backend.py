@@ -11,9 +11,12 @@ Legend: T tokens, H hidden, E experts, K top-k, I expert intermediate size.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from hybridmoe.accel.accelerator import Accelerator
 
 
 @dataclass
@@ -50,10 +53,30 @@ class ExpertWeights:
         return self.gate[0].shape[0]
 
     def nbytes(self) -> int:
-        tensors = self.gate + self.up + self.down
-        for scales in (self.gate_scale, self.up_scale, self.down_scale):
-            tensors += scales or []
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(self.expert_bytes(e) for e in range(self.num_experts))
+
+    def expert_bytes(self, e: int) -> int:
+        """Bytes of expert e as stored (its three matrices and their scales)."""
+        return sum(t.nbytes for t in self.expert_tensors(e))
+
+    def expert_tensors(self, e: int) -> list[torch.Tensor]:
+        """Expert e's tensors: gate, up, down, then their scales when the format has them."""
+        tensors = [self.gate[e], self.up[e], self.down[e]]
+        if self.gate_scale is not None:
+            tensors += [self.gate_scale[e], self.up_scale[e], self.down_scale[e]]
+        return tensors
+
+    def subset(self, experts: list[int]) -> "ExpertWeights":
+        """The listed experts (in that order) as their own ExpertWeights, sharing the tensors."""
+        pick = lambda ts: [ts[e] for e in experts] if ts is not None else None  # noqa: E731
+        return ExpertWeights(self.fmt, pick(self.gate), pick(self.up), pick(self.down), pick(self.gate_scale),
+                             pick(self.up_scale), pick(self.down_scale), self.block_size)
+
+    def to_device(self, accel: "Accelerator", name: str) -> "ExpertWeights":
+        """A copy of these experts on the accelerator, counted in its ledger under `name`."""
+        move = lambda ts: [accel.to_device(t, name) for t in ts] if ts is not None else None  # noqa: E731
+        return ExpertWeights(self.fmt, move(self.gate), move(self.up), move(self.down), move(self.gate_scale),
+                             move(self.up_scale), move(self.down_scale), self.block_size)
 
 
 class ExpertBackend(Protocol):

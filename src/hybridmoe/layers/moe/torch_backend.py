@@ -1,8 +1,9 @@
 """The plain-torch ExpertBackend: routed experts grouped by expert (one matmul per active expert).
 
-Used where no faster backend applies, and as the reference the CPU kernels are checked against. It computes in
-the hidden states' dtype (the model's compute dtype). FP8 and int4/int8 experts are dequantised per call, only for
-the experts that tokens were routed to.
+It runs wherever its weights live: on the host it is the reference the CPU kernels are checked against, on the
+accelerator it computes the experts resident there (hot experts, streamed slots). It computes in the hidden states'
+dtype (the model's compute dtype). FP8 and int4/int8 experts are dequantised per call (accel.dequant, exact), only
+for the experts that tokens were routed to.
 
 Legend: T tokens, H hidden, K top-k, I expert intermediate, A (token, expert) assignments = T*K.
 """
@@ -12,8 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.checkpoint.fp8 import dequantize_fp8
-from hybridmoe.kernels.formats import dequantize_int
+from hybridmoe.accel.dequant import dequantize
 from hybridmoe.layers.moe.backend import ExpertWeights
 
 
@@ -31,7 +31,7 @@ class TorchExpertBackend:
         dtype = hidden.dtype
         weights = topk_weights.reshape(-1)[order].to(dtype)  # [A]
         x = hidden
-        out = torch.zeros(num_tokens, x.shape[1], dtype=dtype)
+        out = torch.zeros(num_tokens, x.shape[1], dtype=dtype, device=x.device)
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
@@ -48,13 +48,9 @@ class TorchExpertBackend:
 
     def _expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         w = self.w
-        if w.fmt == "dense":
-            return w.gate[e].to(dtype), w.up[e].to(dtype), w.down[e].to(dtype)
-        if w.fmt == "fp8":
-            return tuple(dequantize_fp8(q[e], s[e], w.block_size, dtype)
-                         for q, s in ((w.gate, w.gate_scale), (w.up, w.up_scale), (w.down, w.down_scale)))
-        if w.fmt in ("int4", "int8"):
-            cols = (w.hidden_size, w.hidden_size, w.intermediate_size)
-            return tuple(dequantize_int(w.fmt, q[e], s[e], k).to(dtype) for q, s, k in
-                         zip((w.gate, w.up, w.down), (w.gate_scale, w.up_scale, w.down_scale), cols))
-        raise ValueError(f"TorchExpertBackend: unsupported expert weight format {w.fmt!r}")
+        if w.fmt not in ("dense", "fp8", "int4", "int8"):
+            raise ValueError(f"TorchExpertBackend: unsupported expert weight format {w.fmt!r}")
+        scales = (w.gate_scale, w.up_scale, w.down_scale) if w.gate_scale is not None else (None, None, None)
+        cols = (w.hidden_size, w.hidden_size, w.intermediate_size)
+        return tuple(dequantize(w.fmt, q[e], s[e] if s is not None else None, k, dtype, w.block_size)
+                     for q, s, k in zip((w.gate, w.up, w.down), scales, cols))
