@@ -18,13 +18,20 @@ class MoEBlock:
     def __init__(self, router: Router, experts: ExpertBackend, shared: GatedMLP | None):
         self.router, self.experts, self.shared = router, experts, shared
         self.routing_observers: list[Callable[[torch.Tensor], None]] = []  # called with topk_ids [T, K]
+        # stream-loading prefill (layers/moe/stream_prefill.py): chunks of at least prefill_min_tokens tokens run
+        # their routed experts on prefill_experts instead of `experts`
+        self.prefill_experts: ExpertBackend | None = None
+        self.prefill_min_tokens = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]. The shared experts run between submit and wait, overlapping routed work."""
         topk_ids, topk_weights = self.router.route(x)  # [T, K], [T, K]
         for observe in self.routing_observers:
             observe(topk_ids)
-        handle = self.experts.submit(x, topk_ids, topk_weights)
+        experts = self.experts
+        if self.prefill_experts is not None and x.shape[0] >= self.prefill_min_tokens:
+            experts = self.prefill_experts
+        handle = experts.submit(x, topk_ids, topk_weights)
         shared = self.shared.forward(x) if self.shared is not None else None
-        routed = self.experts.wait(handle)
+        routed = experts.wait(handle)
         return routed if shared is None else routed + shared

@@ -38,6 +38,7 @@ class CpuExpertBackend:
 
     def __init__(self, weights: ExpertWeights):
         fmt = kernel_format(weights)
+        self.weights = weights  # as loaded (what stream-loading prefill copies to the accelerator)
         self.repacked_bytes = 0
         tensors = {name: [self._rows(t) for t in getattr(weights, name)] for name in ("gate", "up", "down")}
         scales = {name: (list(getattr(weights, name + "_scale")) if weights.gate_scale else None)
