@@ -1,0 +1,121 @@
+"""A worker rank (`python -m hybridmoe.parallel.worker`, started by group.RankGroup): it loads its share of every
+MoE layer's routed experts onto its accelerator, joins the process group, then serves dispatches from rank 0
+(exchange.py) until told to stop. It exits by itself when its engine process is gone (a parent watchdog; a closed
+connection also ends a pending receive).
+
+Legend: n tokens sent to this rank, H hidden, K top-k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from hybridmoe.parallel.exchange import (OP_COMPUTE, OP_STOP, TAG_HEADER, TAG_HIDDEN, TAG_IDS, TAG_OUTPUT,
+                                         TAG_WEIGHTS)
+
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # between prefills a worker waits for its next header indefinitely
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--prefix", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", required=True)
+    p.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    p.add_argument("--timeout", type=float, required=True)
+    p.add_argument("--startup-timeout", type=float, required=True)
+    p.add_argument("--parent", type=int, required=True)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--budget", type=int)
+    args = p.parse_args(argv)
+    _watch_parent(args.parent)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    store = dist.TCPStore("127.0.0.1", args.port, args.world_size, False,
+                          timeout=datetime.timedelta(seconds=args.startup_timeout))
+    try:
+        share, accel, hidden_size = _load(args)
+    except Exception:  # reported to rank 0, which raises it as the engine's error
+        store.set(f"{args.prefix}error/{args.rank}", traceback.format_exc(limit=4))
+        return 1
+    store.set(f"{args.prefix}loaded/{args.rank}", "1")
+    pg = _process_group(args, dist.PrefixStore(args.prefix, store), IDLE_TIMEOUT)
+    serve(pg, share, hidden_size, accel.device, getattr(torch, args.dtype), datetime.timedelta(seconds=args.timeout))
+    return 0
+
+
+def serve(pg, share: dict, hidden_size: int, device: torch.device, dtype: torch.dtype,
+          timeout: datetime.timedelta) -> None:
+    """Answer rank 0's dispatches until OP_STOP: receive the tokens, compute this rank's experts, send back."""
+    from hybridmoe.parallel.share import compute_share
+
+    comm = device if pg.name().lower() == "nccl" else torch.device("cpu")
+    while True:
+        head = torch.empty(4, dtype=torch.int64, device=comm)
+        pg.recv([head], 0, TAG_HEADER).wait(IDLE_TIMEOUT)
+        op, layer, n, top_k = head.tolist()
+        if op == OP_STOP:
+            return
+        if op != OP_COMPUTE:
+            raise RuntimeError(f"unknown message {op} from rank 0")
+        if n == 0:  # none of this layer's tokens chose this rank's experts
+            continue
+        hidden = torch.empty(n, hidden_size, dtype=dtype, device=comm)
+        ids = torch.empty(n, top_k, dtype=torch.int32, device=comm)
+        weights = torch.empty(n, top_k, dtype=torch.float32, device=comm)
+        for tensor, tag in ((hidden, TAG_HIDDEN), (ids, TAG_IDS), (weights, TAG_WEIGHTS)):
+            pg.recv([tensor], 0, tag).wait(timeout)
+        out = compute_share(share[layer], hidden.to(device), ids.to(device), weights.to(device))
+        pg.send([out.to(comm)], 0, TAG_OUTPUT).wait(timeout)
+
+
+def _load(args):
+    from hybridmoe.accel.accelerator import select_accelerator
+    from hybridmoe.config import load_config
+    from hybridmoe.parallel.share import load_share
+
+    device = f"cuda:{args.rank}" if args.device == "cuda" else "cpu"
+    if args.device == "cuda":
+        torch.cuda.set_device(args.rank)
+    accel = select_accelerator(device, args.budget)
+    config = load_config(args.model)
+    share = load_share(args.model, config, args.rank, args.world_size, getattr(torch, args.dtype), accel)
+    return share, accel, config.hidden_size
+
+
+def _process_group(args, store, timeout: datetime.timedelta):
+    if args.device == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, args.rank, args.world_size, options)
+    return dist.ProcessGroupGloo(store, args.rank, args.world_size, timeout)
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit when the engine process is gone (this process is then re-parented)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="hybridmoe-ep-parent").start()
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Exception:
+        traceback.print_exc()
+        os._exit(1)  # not sys.exit: a blocked gloo thread must not keep a dead worker alive
