@@ -42,7 +42,7 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, R/2] (times the YaRN attention factor)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         scale = self.config.attention_factor
         return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
 

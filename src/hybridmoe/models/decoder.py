@@ -10,7 +10,9 @@ Legend: T new tokens in the batch, H hidden, V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +28,9 @@ from hybridmoe.layers.rope import RotaryEmbedding
 from hybridmoe.models.attention import Attention, attention_kind
 from hybridmoe.models.weight_loader import WeightLoader
 
+if TYPE_CHECKING:
+    from hybridmoe.models.placement import DevicePlacement
+
 ExpertBackendFactory = Callable[[ExpertWeights], ExpertBackend]  # computes in the hidden states' dtype
 
 
@@ -35,6 +40,7 @@ class DecoderLayer:
     attention: Attention
     post_attention_norm: torch.Tensor  # [H]
     mlp: GatedMLP | MoEBlock
+    experts: ExpertWeights | None = None  # an MoE layer's routed experts as loaded (hot experts are copied from it)
 
 
 class MoEDecoderModel:
@@ -42,6 +48,8 @@ class MoEDecoderModel:
                  lm_head: Linear, dtype: torch.dtype):
         self.config, self.dtype = config, dtype
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
+        # where the parts run when a plan placed some on the accelerator (models.placement.place_model)
+        self.device_placement: DevicePlacement | None = None
 
     def add_routing_observer(self, observe: Callable[[int, torch.Tensor], None]) -> Callable[[], None]:
         """Call observe(layer_index, topk_ids [T, K]) at every MoE layer of every forward (routing statistics);
@@ -70,7 +78,9 @@ class MoEDecoderModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions [T] -> logits [len(logits_indices) or T, V] float32."""
+        """input_ids, positions [T] -> logits [len(logits_indices) or T, V] float32 (on the host)."""
+        if self.device_placement is not None:
+            return self._forward_placed(input_ids, positions, meta, kv_caches, logits_indices)
         eps = self.config.rms_norm_eps
         h = self.embed[input_ids]  # [T, H]
         for layer, cache in zip(self.layers, kv_caches):
@@ -79,6 +89,45 @@ class MoEDecoderModel:
         if logits_indices is not None:
             h = h[logits_indices]
         return self.lm_head(rms_norm(h, self.norm, eps)).float()
+
+    def _forward_placed(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        kv_caches: list[torch.Tensor], logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """The forward with parts on the accelerator: the residual stream h moves to where each part runs (the
+        accelerator, or the host for what the plan left there) before it runs; positions and the attention
+        metadata are copied to the accelerator once per forward. On the CPU stand-in the moves are no-ops."""
+        placed, eps = self.device_placement, self.config.rms_norm_eps
+        stats, device, host = placed.stats, placed.accel.device, torch.device("cpu")
+        inputs = {host: (positions, meta)}
+        if any(placed.attention):
+            inputs[device] = (positions.to(device), _metadata_to(meta, device))
+        h = self.embed[input_ids]  # [T, H] on the host
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            where = device if placed.attention[i] else host
+            h = h.to(where)
+            with stats.accel_section() if placed.attention[i] else nullcontext():
+                h = h + layer.attention.forward(rms_norm(h, layer.input_norm, eps), *inputs[where], cache)
+            h = h.to(device if placed.mlp[i] else host)
+            timed = placed.mlp[i] and not isinstance(layer.mlp, MoEBlock)  # a MoE block times its own parts
+            with stats.accel_section() if timed else nullcontext():
+                h = h + layer.mlp.forward(rms_norm(h, layer.post_attention_norm, eps))
+        h = h.to(device if placed.lm_head else host)
+        if logits_indices is not None:
+            h = h[logits_indices.to(h.device)]
+        with stats.accel_section() if placed.lm_head else nullcontext():
+            logits = self.lm_head(rms_norm(h, self.norm, eps)).float()
+        return logits.to(host)
+
+
+def _metadata_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    """A copy of meta whose tensors (and lists of tensors) are on `device`."""
+    changes = {}
+    for f in fields(meta):
+        value = getattr(meta, f.name)
+        if isinstance(value, torch.Tensor):
+            changes[f.name] = value.to(device)
+        elif isinstance(value, list) and any(isinstance(v, torch.Tensor) for v in value):
+            changes[f.name] = [v.to(device) if isinstance(v, torch.Tensor) else v for v in value]
+    return replace(meta, **changes) if changes else meta
 
 
 def build_decoder(config: ModelConfig, loader: WeightLoader, backend_factory: ExpertBackendFactory) -> MoEDecoderModel:
@@ -91,8 +140,10 @@ def build_decoder(config: ModelConfig, loader: WeightLoader, backend_factory: Ex
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
         attention = build_attention(loader, prefix + "self_attn.", config, rope)
+        experts = None
         if config.moe_layers[i]:
-            mlp = _build_moe(config, names, loader, prefix + names.moe_prefix + ".", prefix, backend_factory)
+            mlp, experts = _build_moe(config, names, loader, prefix + names.moe_prefix + ".", prefix,
+                                      backend_factory)
         else:
             mlp = _gated_mlp(loader, prefix + "mlp.", hidden, config.intermediate_size)
         layers.append(DecoderLayer(
@@ -100,6 +151,7 @@ def build_decoder(config: ModelConfig, loader: WeightLoader, backend_factory: Ex
             attention=attention,
             post_attention_norm=loader.dense(prefix + "post_attention_layernorm.weight", (hidden,)),
             mlp=mlp,
+            experts=experts,
         ))
         loader.layer_done()
     norm = loader.dense("model.norm.weight", (hidden,))
@@ -120,7 +172,7 @@ def _gated_mlp(loader: WeightLoader, prefix: str, hidden: int, inter: int) -> Ga
 
 
 def _build_moe(config: ModelConfig, names: WeightNames, loader: WeightLoader, moe_prefix: str, layer_prefix: str,
-               backend_factory: ExpertBackendFactory) -> MoEBlock:
+               backend_factory: ExpertBackendFactory) -> tuple[MoEBlock, ExpertWeights]:
     moe, hidden = config.moe, config.hidden_size
     bias = None
     if moe.topk_method == "noaux_tc":
@@ -133,4 +185,4 @@ def _build_moe(config: ModelConfig, names: WeightNames, loader: WeightLoader, mo
     if names.shared_experts_prefix and moe.num_shared_experts:
         shared = _gated_mlp(loader, layer_prefix + names.shared_experts_prefix + ".", hidden,
                             moe.shared_intermediate_size)
-    return MoEBlock(router, backend_factory(experts), shared)
+    return MoEBlock(router, backend_factory(experts), shared), experts

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from numbers import Integral, Real
@@ -21,9 +22,12 @@ from pathlib import Path
 
 import torch
 
+from hybridmoe.accel.accelerator import parse_bytes, select_accelerator
+from hybridmoe.accel.stats import RunStats
 from hybridmoe.checkpoint.default_model import resolve_model_dir
 from hybridmoe.config import load_config
 from hybridmoe.models.loader import load_model, resolve_dtype
+from hybridmoe.models.placement import load_plan_file, place_model, placement_report, plan_placement
 from hybridmoe.runtime.block_manager import BlockManager
 from hybridmoe.runtime.detokenizer import IncrementalDetokenizer
 from hybridmoe.runtime.logprobs import PromptLogprobs, TokenLogprobs, token_logprobs
@@ -45,8 +49,25 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (decode tokens first, then prefill chunks)
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped by the cache
     enable_prefix_caching: bool = True  # reuse the KV of full blocks an earlier request computed (docs/runtime.md)
+    # hybrid execution (docs/hybrid.md): where the plan's resident parts run and within how much memory
+    device: str = "auto"  # auto (CUDA when torch sees one, else the CPU) | cpu | cuda | cuda:N
+    vram: str | int | None = None  # accelerator memory budget, e.g. "24GB" (None: CUDA's free memory - a reserve)
+    num_gpus: int = 1  # accelerators for stream-loading prefill's expert parallelism
+    stream_prefill: str = "auto"  # auto (from the plan's crossover) | on | off
+    plan: str | None = None  # a plan file written by `hybridmoe plan --json` to execute instead of planning here
+    routing: str | None = None  # routing statistics (`hybridmoe profile --routing-model`): which experts are hot
+    profile: str | None = None  # hardware profile to plan with (default: ~/.cache/hybridmoe/profile.json if any)
+    verbose: bool = False  # print the plan and what was placed where at load
 
     def __post_init__(self) -> None:
+        if self.stream_prefill not in ("auto", "on", "off"):
+            raise ValueError(f"stream_prefill must be auto, on or off, got {self.stream_prefill!r}")
+        if not isinstance(self.num_gpus, Integral) or isinstance(self.num_gpus, bool) or self.num_gpus < 1:
+            raise ValueError(f"num_gpus must be an integer >= 1, got {self.num_gpus!r}")
+        kind = str(self.device).partition(":")[0]
+        if kind not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        parse_bytes(self.vram)  # a ValueError naming the text when it is not a size
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         value = self.kv_cache_gb
@@ -58,6 +79,16 @@ class EngineConfig:
                 continue
             if not isinstance(value, Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def hybrid_wanted(cfg: EngineConfig) -> bool:
+    """Whether parts run on an accelerator: on CUDA always (device auto with a GPU, or cuda); on the CPU stand-in
+    only when a vram budget or a plan file is given (otherwise the plain all-CPU engine, which is the fastest on a
+    machine without a GPU: the stand-in's copies and torch matmuls only cost time there)."""
+    kind = str(cfg.device).partition(":")[0]
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    return kind == "cuda" or cfg.vram is not None or cfg.plan is not None
 
 
 def memory_bytes() -> tuple[int, int]:
@@ -114,7 +145,12 @@ class LLMEngine:
             block_bytes = self.model.kv_bytes_per_token() * cfg.block_size
             raise ValueError(f"kv_cache_gb={cfg.kv_cache_gb:g} holds no KV block: one block of {cfg.block_size} "
                              f"tokens of this model takes {block_bytes} bytes ({block_bytes / 2**30:.3g} GB)")
+        self.accel, self.placement, self.run_stats = None, None, RunStats()
+        if hybrid_wanted(cfg):
+            self._place(num_blocks * cfg.block_size * self.model.kv_bytes_per_token())
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
+        if self.placement is not None and cfg.verbose:
+            print(placement_report(self.placement, self.accel), file=sys.stderr)
         wanted = cfg.max_model_len or self.model_config.max_position_embeddings
         cache_tokens = num_blocks * cfg.block_size
         self.max_model_len = min(wanted, cache_tokens)
@@ -127,6 +163,24 @@ class LLMEngine:
         self.sampler = Sampler()
         self._ids = itertools.count()
         self._states: dict[str, _RequestState] = {}
+
+    def _place(self, kv_cache_bytes: int) -> None:
+        """Plan (or read the plan file) and move the resident parts onto the accelerator (models/placement.py)."""
+        cfg = self.config
+        budget = parse_bytes(cfg.vram)
+        if cfg.plan is not None:
+            placement, plan_budget = load_plan_file(cfg.plan, self.model_config, self.model.dtype, cfg.routing)
+            self.accel = select_accelerator(cfg.device, budget if budget is not None else int(plan_budget))
+        else:
+            self.accel = select_accelerator(cfg.device, budget)
+            if self.accel.ledger.budget is None:
+                raise ValueError("hybrid execution needs a vram budget on the CPU stand-in (e.g. vram='2GB')")
+            placement = plan_placement(self.model, self.accel, self.accel.ledger.budget, kv_cache_bytes,
+                                       cfg.max_num_seqs, cfg.num_gpus, cfg.routing, cfg.profile,
+                                       Path(self.model_dir).name.lower())
+        self.run_stats = RunStats(self.accel.ledger, self.accel.is_cuda)
+        place_model(self.model, placement, self.accel, self.run_stats)
+        self.placement = placement
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     req_id: str | None = None) -> str:
@@ -210,7 +264,10 @@ class LLMEngine:
             prompt_logprobs = self._states[req.req_id].prompt_logprobs
             if prompt_logprobs is not None and prompt_logprobs.wants(start, item.num_new_tokens):
                 scoring_prompt.append(i)
+        stats = self.run_stats
+        stats.begin_step("decode" if all(item.num_new_tokens == 1 for item in sched.scheduled) else "prefill")
         logits = self.runner.forward(chunks, all_logits=bool(scoring_prompt))  # [S, V], or [T, V] when scoring
+        stats.end_step(sum(item.num_new_tokens for item in sched.scheduled))
         if scoring_prompt:  # every position's logits: score the prompt tokens, keep each chunk's last row
             ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0)  # [S]
             for i in scoring_prompt:

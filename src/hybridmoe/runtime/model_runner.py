@@ -1,7 +1,8 @@
 """Turns a step's scheduled sequences into one batched forward over the paged KV cache.
 
 The runner owns the KV cache tensors (one per layer, [num_blocks, block_size, ...] as the model's attention
-lays them out) and builds the flat batch: token ids and positions of every sequence's new tokens, their cache
+lays them out; on the accelerator, counted in its ledger as "kv cache.N", for the layers whose attention a plan
+placed there) and builds the flat batch: token ids and positions of every sequence's new tokens, their cache
 slots, block tables and lengths.
 
 Legend: T new tokens in the batch, S sequences, V vocabulary.
@@ -37,7 +38,10 @@ class ModelRunner:
     def __init__(self, model: MoEDecoderModel, num_blocks: int, block_size: int):
         self.model, self.num_blocks, self.block_size = model, num_blocks, block_size
         shape = model.kv_cache_shape(num_blocks, block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=model.dtype) for _ in range(model.config.num_layers)]
+        placed = model.device_placement  # a layer whose attention runs on the accelerator has its cache there
+        self.kv_caches = [placed.accel.empty(shape, model.dtype, f"kv cache.{i}").zero_()
+                          if placed is not None and placed.attention[i] else torch.zeros(shape, dtype=model.dtype)
+                          for i in range(model.config.num_layers)]
 
     @staticmethod
     def blocks_for_memory(model: MoEDecoderModel, kv_cache_bytes: int, block_size: int) -> int:
