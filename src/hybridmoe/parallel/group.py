@@ -193,8 +193,8 @@ class _State:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()) if self.pg is not None else 0.0)
             except subprocess.TimeoutExpired:
                 pass
-        for proc in self.procs.values():
-            for stop in (proc.terminate, proc.kill):
+        for proc in self.procs.values():  # a failed group's workers may hang: killed at once
+            for stop in (proc.terminate, proc.kill) if self.failure is None else (proc.kill,):
                 if proc.poll() is None:
                     stop()
                     try:

@@ -1,0 +1,62 @@
+"""Small expert parallelism's pieces in one process: which rank owns which experts, how a chunk is split between
+the ranks, and that the ranks' partial outputs sum to the whole layer's output (the multi-process tests are in
+test_expert_parallel_ranks.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmoe.layers.moe.backend import ExpertWeights
+from hybridmoe.layers.moe.torch_backend import TorchExpertBackend
+from hybridmoe.parallel.exchange import message_bytes, split_by_owner
+from hybridmoe.parallel.ownership import owned_experts, owner_tables
+from hybridmoe.parallel.share import compute_share
+
+
+def test_every_expert_has_exactly_one_owner_and_its_local_index():
+    for experts, world in ((8, 2), (16, 3), (5, 5), (128, 4)):
+        shares = [owned_experts(experts, world, r) for r in range(world)]
+        assert sorted(e for s in shares for e in s) == list(range(experts))
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+        owner, local = owner_tables(experts, world)
+        for rank, share in enumerate(shares):
+            assert owner[list(share)].eq(rank).all() and local[list(share)].tolist() == list(range(len(share)))
+    with pytest.raises(ValueError, match="cannot be split over 4 ranks"):
+        owned_experts(3, 4, 0)
+
+
+def _layer(num_experts=8, hidden=16, inter=12, seed=0) -> ExpertWeights:
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=gen) * 0.2  # noqa: E731
+    return ExpertWeights("dense", [rand(inter, hidden) for _ in range(num_experts)],
+                         [rand(inter, hidden) for _ in range(num_experts)],
+                         [rand(hidden, inter) for _ in range(num_experts)])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_ranks_partial_outputs_sum_to_the_layers_output(world):
+    weights, tokens, top_k = _layer(), 20, 3
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(tokens, 16, generator=gen)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(tokens)])  # [T, K] distinct
+    ids[0] = torch.tensor([5, 6, 7])  # token 0 only on the last rank's experts: no other worker gets it
+    topk_weights = torch.rand(tokens, top_k, generator=gen)
+    whole = TorchExpertBackend(weights).submit(hidden, ids, topk_weights)
+    owner, local = owner_tables(8, world)
+    parts = split_by_owner(ids, topk_weights, owner, local, world)
+    assert parts[0].rows.tolist() == list(range(tokens))  # rank 0 keeps every row
+    pairs = sum(int((p.local_ids >= 0).sum()) for p in parts)
+    assert pairs == tokens * top_k  # every (token, expert) pair goes to exactly one rank
+    assert [0 in p.rows.tolist() for p in parts[1:]] == [r == world - 1 for r in range(1, world)]
+    out = torch.zeros_like(hidden)
+    for p in parts:
+        mine = TorchExpertBackend(weights.subset(list(owned_experts(8, world, p.rank))))
+        assert ((p.local_ids >= 0).any(dim=1) | (p.rank == 0)).all()  # a worker gets only tokens it computes for
+        out.index_add_(0, p.rows, compute_share(mine, hidden[p.rows], p.local_ids, p.weights))
+    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_message_bytes_count_both_directions():
+    assert message_bytes(0, 64, 2, torch.float32) == 0
+    assert message_bytes(10, 64, 2, torch.float32) == 32 + 10 * (2 * 64 * 4 + 2 * 8)
