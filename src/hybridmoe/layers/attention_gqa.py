@@ -31,6 +31,9 @@ class GQAttention:
     def __init__(self, config: ModelConfig, weights: GQAWeights, rope: RotaryEmbedding):
         self.cfg, self.w, self.rope = config.attention, weights, rope
         self.eps = config.rms_norm_eps
+        # observe(seq, q [Q, N, D], k [C, Nk, D], scale) per sequence of every forward, q and k post-rope, q the
+        # sequence's new tokens (the last Q of its C context positions); hybridmoe.kv scores prompt tokens by it
+        self.observers: list = []
 
     @staticmethod
     def cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -51,9 +54,11 @@ class GQAttention:
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         write_to_cache(cache[0], meta.slot_mapping, k)
         write_to_cache(cache[1], meta.slot_mapping, v)
-        out = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=x.dtype)
+        out = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
         for s, rows in enumerate(meta.query_slices()):
             k_ctx = gather_context(cache[0], meta.block_tables[s], meta.seq_lens[s])  # [C, Nk, D]
             v_ctx = gather_context(cache[1], meta.block_tables[s], meta.seq_lens[s])
-            out[rows] = attend(q[rows], k_ctx, v_ctx, cfg.softmax_scale, cfg.sliding_window)
+            for observe in self.observers:
+                observe(s, q[rows], k_ctx, cfg.softmax_scale)
+            out[rows] = attend(q[rows], k_ctx, v_ctx, cfg.softmax_scale, cfg.sliding_window, meta.dropped_keys(s))
         return w.o_proj(out.view(num_tokens, -1))

@@ -42,6 +42,9 @@ class MLAttention:
         kv_b = weights.kv_b_proj.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         self.w_uk = kv_b[:, : cfg.qk_nope_head_dim]  # [N, P, L]
         self.w_uv = kv_b[:, cfg.qk_nope_head_dim:]  # [N, V, L]
+        # observe(seq, q [Q, N, L+R], k [C, 1, L+R], scale) per sequence of every forward: the absorbed queries and
+        # the cached latents, whose products are the attention logits; hybridmoe.kv scores prompt tokens by it
+        self.observers: list = []
 
     @staticmethod
     def cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -68,9 +71,11 @@ class MLAttention:
 
         q_lat = torch.einsum("tnp,npl->tnl", q_nope, self.w_uk)  # [T, N, L]
         q_full = torch.cat((q_lat, q_pe), dim=-1)  # [T, N, L+R]
-        out_lat = torch.empty(num_tokens, cfg.num_heads, lora, dtype=x.dtype)
+        out_lat = torch.empty(num_tokens, cfg.num_heads, lora, dtype=x.dtype, device=x.device)
         for s, rows in enumerate(meta.query_slices()):
             ctx = gather_context(cache, meta.block_tables[s], meta.seq_lens[s])[:, None, :]  # [C, 1, L+R]
-            out_lat[rows] = attend(q_full[rows], ctx, ctx[..., :lora], cfg.softmax_scale, None)
+            for observe in self.observers:
+                observe(s, q_full[rows], ctx, cfg.softmax_scale)
+            out_lat[rows] = attend(q_full[rows], ctx, ctx[..., :lora], cfg.softmax_scale, None, meta.dropped_keys(s))
         out = torch.einsum("tnl,nvl->tnv", out_lat, self.w_uv)  # [T, N, V]
         return w.o_proj(out.reshape(num_tokens, -1))

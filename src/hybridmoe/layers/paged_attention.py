@@ -24,6 +24,9 @@ class AttentionMetadata:
     query_lens: list[int]  # [S] new tokens per sequence (sum = T)
     seq_lens: list[int]  # [S] context length after this step (cached + new)
     block_size: int
+    # [S] per sequence None or bool [>= seq_len], True at positions whose KV was dropped (a compressed prompt
+    # handed over by hybridmoe.kv): masked out of every query's attention, their positions kept
+    dropped: list[torch.Tensor | None] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -35,6 +38,11 @@ class AttentionMetadata:
             out.append(slice(start, start + n))
             start += n
         return out
+
+    def dropped_keys(self, seq: int) -> torch.Tensor | None:
+        """bool [C] of sequence seq's context, True where the key is masked out; None when none is."""
+        mask = self.dropped[seq] if self.dropped is not None else None
+        return None if mask is None else mask[: self.seq_lens[seq]]
 
 
 def write_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
@@ -49,21 +57,27 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
     return cache[block_table[:num_blocks]].flatten(0, 1)[:context_len]
 
 
-def attention_mask(query_len: int, context_len: int, sliding_window: int | None) -> torch.Tensor | None:
+def attention_mask(query_len: int, context_len: int, sliding_window: int | None,
+                   device: torch.device | None = None) -> torch.Tensor | None:
     """[Q, C] bool, True where query i (at position C - Q + i) may attend key j; None when all may."""
     if query_len == 1 and (sliding_window is None or context_len <= sliding_window):
         return None
-    q_pos = torch.arange(context_len - query_len, context_len)[:, None]
-    k_pos = torch.arange(context_len)[None, :]
+    q_pos = torch.arange(context_len - query_len, context_len, device=device)[:, None]
+    k_pos = torch.arange(context_len, device=device)[None, :]
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
     return mask
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """q [Q, N, D], k [C, Nk, D], v [C, Nk, Dv] (N a multiple of Nk) -> [Q, N, Dv], causal over the context."""
-    mask = attention_mask(q.shape[0], k.shape[0], sliding_window)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None,
+           dropped: torch.Tensor | None = None) -> torch.Tensor:
+    """q [Q, N, D], k [C, Nk, D], v [C, Nk, Dv] (N a multiple of Nk) -> [Q, N, Dv], causal over the context;
+    keys where dropped [C] is True are masked out."""
+    mask = attention_mask(q.shape[0], k.shape[0], sliding_window, q.device)
+    if dropped is not None:
+        keep = ~dropped.to(torch.bool)[None, :]  # [1, C]
+        mask = keep.expand(q.shape[0], -1) if mask is None else mask & keep
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],

@@ -21,6 +21,8 @@ from hybridmoe.models.weight_loader import WeightLoader
 
 
 class Attention(Protocol):
+    observers: list  # observe(seq, q, k, scale) per sequence of every forward (MoEDecoderModel.add_attention_observer)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 cache: torch.Tensor) -> torch.Tensor: ...
 

@@ -67,6 +67,23 @@ class MoEDecoderModel:
 
         return remove
 
+    def add_attention_observer(self, observe: Callable[[int, int, torch.Tensor, torch.Tensor, float], None]
+                               ) -> Callable[[], None]:
+        """Call observe(layer_index, seq, q [Q, N, D], k [C, Nk, D], scale) at every attention layer of every
+        forward for each sequence (its new tokens' queries, its whole context's keys, post-rope; for MLA the
+        absorbed queries and cached latents, Nk = 1); hybridmoe.kv scores prompt tokens by it. Returns the remover."""
+        added = []
+        for index, layer in enumerate(self.layers):
+            hook = lambda s, q, k, scale, index=index: observe(index, s, q, k, scale)  # noqa: E731
+            layer.attention.observers.append(hook)
+            added.append((layer.attention.observers, hook))
+
+        def remove() -> None:
+            for observers, hook in added:
+                observers.remove(hook)
+
+        return remove
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache tensor."""
         return attention_kind(self.config).cache_shape(self.config, num_blocks, block_size)
