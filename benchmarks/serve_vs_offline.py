@@ -64,13 +64,27 @@ class _Server:
         self.process.terminate()
         self.process.wait(60)
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time the server process has used (all its threads; Linux /proc), None where unknown. Less moved by
+        other jobs than wall time: the work the server does per token."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
 
 def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [[(97 * i + 31 * k) % (vocab - 10) + 5 for k in range(length)] for i in range(n)]
 
 
-async def _server_batch(url: str, prompts: list[list[int]], max_tokens: int, stream: bool) -> tuple[float, int]:
-    """(seconds, output tokens) of the batch as concurrent requests."""
+async def _server_batch(url: str, prompts: list[list[int]], max_tokens: int,
+                        stream: bool) -> tuple[float, int, float]:
+    """(seconds, output tokens, this process's CPU seconds) of the batch as concurrent requests.
+
+    The client is kept lean, since on a small machine it shares the cores with the server: a streamed response is
+    read as raw bytes, not split into lines nor parsed per chunk; only its last chunk (the usage) is parsed."""
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         async def one(prompt: list[int]) -> int:
@@ -78,16 +92,20 @@ async def _server_batch(url: str, prompts: list[list[int]], max_tokens: int, str
             if not stream:
                 return (await client.post("/v1/completions", json=body)).json()["usage"]["completion_tokens"]
             body.update(stream=True, stream_options={"include_usage": True})
-            tokens = 0
             async with client.stream("POST", "/v1/completions", json=body) as response:
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
-                        usage = json.loads(line[6:]).get("usage")
-                        tokens = usage["completion_tokens"] if usage else tokens
-            return tokens
-        start = time.perf_counter()
+                pieces = [piece async for piece in response.aiter_raw()]
+            return _streamed_usage(b"".join(pieces))["completion_tokens"]
+        cpu, start = time.process_time(), time.perf_counter()
         counts = await asyncio.gather(*(one(p) for p in prompts))
-        return time.perf_counter() - start, sum(counts)
+        return time.perf_counter() - start, sum(counts), time.process_time() - cpu
+
+
+def _streamed_usage(raw: bytes) -> dict:
+    """The usage of a streamed completion's body: its last `data: {...}` event before [DONE]."""
+    events = raw.rstrip().split(b"\n\n")
+    if events[-1] != b"data: [DONE]":
+        raise RuntimeError(f"the stream did not end with [DONE]: {raw[-200:]!r}")
+    return json.loads(events[-2][len(b"data: "):])["usage"]
 
 
 def _offline_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
@@ -131,6 +149,11 @@ def _second_turn_ttft(url: str, system: str, round_index: int) -> tuple[float, i
     return ttft, prompt_tokens
 
 
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo")
@@ -151,16 +174,22 @@ def main() -> int:
         throughput = []
         for _ in range(args.rounds):
             offline_s, offline_tokens = _offline_batch(llm, prompts, args.max_tokens)
-            row = {"offline_tok_s": offline_tokens / offline_s}
+            row = {"offline_tok_s": offline_tokens / offline_s, "load_avg_1m": os.getloadavg()[0]}
             for name, stream in (("streamed", True), ("gathered", False)):
-                server_s, server_tokens = asyncio.run(_server_batch(servers["cached"].url, prompts, args.max_tokens,
-                                                                    stream))
+                server_cpu = servers["cached"].cpu_seconds()
+                server_s, server_tokens, client_cpu = asyncio.run(_server_batch(
+                    servers["cached"].url, prompts, args.max_tokens, stream))
                 assert offline_tokens == server_tokens == args.batch * args.max_tokens
                 row[f"{name}_tok_s"], row[f"{name}_ratio"] = server_tokens / server_s, offline_s / server_s
+                row[f"{name}_client_cpu_s"] = client_cpu
+                if server_cpu is not None:
+                    row[f"{name}_server_cpu_s"] = servers["cached"].cpu_seconds() - server_cpu
             throughput.append(row)
             print(f"throughput: offline {row['offline_tok_s']:.1f} tok/s; server streamed {row['streamed_tok_s']:.1f} "
                   f"tok/s ({row['streamed_ratio']:.3f} of offline), not streamed {row['gathered_tok_s']:.1f} tok/s "
-                  f"({row['gathered_ratio']:.3f})")
+                  f"({row['gathered_ratio']:.3f}); CPU s streamed / not: server {row.get('streamed_server_cpu_s', 0):.2f} / "
+                  f"{row.get('gathered_server_cpu_s', 0):.2f}, client {row['streamed_client_cpu_s']:.2f} / "
+                  f"{row['gathered_client_cpu_s']:.2f}; load average {row['load_avg_1m']:.1f}")
 
         system = _long_system_prompt(servers["cached"].url, args.context_tokens)
         ttft = []
@@ -177,10 +206,18 @@ def main() -> int:
 
     summary = {"streamed_ratio_median": statistics.median(t["streamed_ratio"] for t in throughput),
                "gathered_ratio_median": statistics.median(t["gathered_ratio"] for t in throughput),
+               "streamed_server_cpu_s_median": _median(t.get("streamed_server_cpu_s") for t in throughput),
+               "gathered_server_cpu_s_median": _median(t.get("gathered_server_cpu_s") for t in throughput),
+               "load_avg_1m": [t["load_avg_1m"] for t in throughput],
                "ttft_ratio_median": statistics.median(t["ratio"] for t in ttft)}
     print(f"\nmedian of {args.rounds} rounds: throughput server / offline {summary['streamed_ratio_median']:.3f} "
           f"streamed, {summary['gathered_ratio_median']:.3f} not streamed (goal >= 0.90); TTFT of the second chat "
           f"turn with / without prefix caching {summary['ttft_ratio_median']:.3f} (goal <= 0.2)")
+    if summary["streamed_server_cpu_s_median"] is not None:
+        tokens = args.batch * args.max_tokens
+        print(f"server CPU per output token (median): {summary['streamed_server_cpu_s_median'] / tokens * 1e6:.0f} us "
+              f"streamed, {summary['gathered_server_cpu_s_median'] / tokens * 1e6:.0f} us not; load average "
+              f"{min(summary['load_avg_1m']):.1f} to {max(summary['load_avg_1m']):.1f} over the rounds")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": vars(args), "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},

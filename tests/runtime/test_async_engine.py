@@ -151,3 +151,46 @@ def test_llm_stream(model_dir):
     assert not llm.engine.has_unfinished_requests() and llm.engine.stats().kv_blocks_used == 0
     with pytest.raises(ValueError, match="the prompt is empty"):
         next(llm.stream([], GREEDY))
+
+
+def test_a_slow_caller_gets_the_waiting_outputs_merged(model_dir):
+    expected = LLM(model_dir, dtype="float32", block_size=4).generate([PROMPTS[0]], GREEDY)[0]
+
+    async def main():
+        engine, finished = await _started(model_dir)
+        try:
+            stream = engine.generate(PROMPTS[0], GREEDY)
+            outs = [await anext(stream)]
+            while not finished:  # the engine finishes the request while this caller reads nothing
+                await asyncio.sleep(0.01)
+            outs += [out async for out in stream]
+            assert len(outs) == 2 and outs[-1].finished and outs[-1].finish_reason == "length"
+            assert [t for out in outs for t in out.new_token_ids] == expected.token_ids == outs[-1].token_ids
+            assert "".join(out.new_text for out in outs) == expected.text == outs[-1].text
+            assert outs[-1].first_token_time == outs[0].first_token_time
+        finally:
+            engine.shutdown()
+    _run(main())
+
+
+def test_merged_outputs_keep_logprobs_and_stop_at_the_finished_one():
+    from hybridmoe.runtime.async_engine import _coalesce
+    from hybridmoe.runtime.engine import RequestOutput
+
+    def out(ids, finished=False, logprobs=True):
+        return RequestOutput("r", [1], [], "", new_token_ids=ids, new_text="".join(map(str, ids)), finished=finished,
+                             finish_reason="stop" if finished else None, first_token_time=1.0 if ids[0] == 1 else 2.0,
+                             new_logprobs=[f"lp{i}" for i in ids] if logprobs else None)
+
+    async def main():
+        q = asyncio.Queue()
+        for item in (out([2, 3]), out([4], finished=True), out([9])):
+            q.put_nowait(item)
+        merged = _coalesce(out([1]), q)
+        assert merged.new_token_ids == [1, 2, 3, 4] and merged.new_text == "1234" and merged.finished
+        assert merged.new_logprobs == ["lp1", "lp2", "lp3", "lp4"] and merged.first_token_time == 1.0
+        assert q.qsize() == 1  # nothing is taken past the finished output
+        q.put_nowait(RuntimeError("failed"))
+        q.get_nowait()
+        assert isinstance(_coalesce(out([1], logprobs=False), q), RuntimeError)
+    _run(main())

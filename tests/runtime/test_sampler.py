@@ -303,3 +303,31 @@ def test_masked_vocabulary_is_never_drawn():
     logits[1::2] = float("-inf")
     samples = _draw_many(logits, SamplingParams(temperature=1.5), num_draws=5000, seed=41)
     assert all(token % 2 == 0 for token in samples.tolist())
+
+
+def test_logit_bias_moves_greedy_and_leaves_the_input_alone():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 0.0, 0.0]])
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.0, logit_bias={0: 100.0}),  # forces an unlikely token
+              SamplingParams(temperature=0.0, logit_bias={0: -100.0, 2: 0.5})]  # bans the argmax; 2 wins
+    next_ids = Sampler().sample(logits, params, [None, None], [[], []])
+    assert next_ids.tolist() == [0, 2]
+    assert torch.equal(logits, before)
+    # rows without a bias are untouched, in the same batch
+    mixed = Sampler().sample(logits, [SamplingParams(temperature=0.0), params[1]], [None, None], [[], []])
+    assert mixed.tolist() == [1, 2]
+
+
+def test_logit_bias_comes_before_the_penalties_and_sampling():
+    # bias then repetition penalty (vLLM's order): 1.0 + 2.0 = 3.0, / 2 -> 1.5 < 2.0, so id 1 wins
+    logits = torch.tensor([[1.0, 2.0]])
+    params = SamplingParams(temperature=0.0, logit_bias={0: 2.0}, repetition_penalty=2.0)
+    assert Sampler().sample(logits, [params], [None], [[0]]).tolist() == [1]
+    # a sampling row never draws a token biased by -100 against ones at 0
+    draws = _draw_many(torch.zeros(8), SamplingParams(temperature=1.0, logit_bias={3: -100.0, 5: -100.0}), 2000)
+    assert not bool(((draws == 3) | (draws == 5)).any())
+
+
+def test_logit_bias_outside_the_vocabulary_is_an_error():
+    with pytest.raises(ValueError, match=r"logit_bias of row 0 holds ids outside \[0, 4\): \[9\]"):
+        Sampler().sample(torch.zeros(1, 4), [SamplingParams(logit_bias={9: 1.0})], [None], [[]])

@@ -51,6 +51,11 @@ def test_is_greedy():
         ("stop_token_ids", [-1]),
         ("stop_token_ids", ["7"]),
         ("temperature", "hot"),
+        ("logit_bias", {5: 100.5}),
+        ("logit_bias", {5: -101}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {"5": 1.0}),
+        ("logit_bias", {5: float("nan")}),
     ],
 )
 def test_invalid_values_name_the_field_and_value(field, value):
@@ -63,3 +68,11 @@ def test_invalid_values_name_the_field_and_value(field, value):
 
 def test_valid_edges_are_accepted():
     SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, repetition_penalty=0.01, max_tokens=1, seed=0)
+
+
+def test_logit_bias():
+    assert SamplingParams().logit_bias is None
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams(logit_bias={3: -100, 7: 100.0}).logit_bias == {3: -100, 7: 100.0}
+    with pytest.raises(ValueError, match="logit_bias must be a dict"):
+        SamplingParams(logit_bias=[(3, 1.0)])

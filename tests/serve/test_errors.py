@@ -38,10 +38,21 @@ def _error(response: httpx.Response, status: int, param: str | None = None) -> s
     ({**CHAT, "max_tokens": -3}, "max_tokens", "greater than or equal to 1"),
     ({**CHAT, "messages": []}, "messages", "at least 1"),
     ({**CHAT, "messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "'system'"),
-    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
-     "messages[0].content", None),
-    ({**CHAT, "logit_bias": {"5": 3}}, "logit_bias", "not supported"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "look"},
+                                                         {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[1]", "type 'image_url' are not supported"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "messages[0].content[0]", "type 'input_audio' are not supported"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0]", "its text"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content", None),
+    ({**CHAT, "logit_bias": {"5": 300}}, "logit_bias", "not in [-100, 100]"),
+    ({**CHAT, "logit_bias": {"5": "x"}}, "logit_bias.5", "number"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({**CHAT, "tool_choice": "required"}, "tool_choice", "not supported"),
+    ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "not supported"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
+    ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format", "not supported"),
+    ({**CHAT, "response_format": "json"}, "response_format", None),
     ({**CHAT, "top_logprobs": 2}, "top_logprobs", "not supported"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "not supported"),
     ({**CHAT, "presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
@@ -57,6 +68,13 @@ def test_bad_chat_requests_are_400(server, body, param, words):
                           headers={"Content-Type": "application/json"}, timeout=30)
     message = _error(response, 400, param)
     assert words is None or words in message
+
+
+def test_what_the_refused_fields_accept_still_works(server):
+    for extra in ({"tool_choice": "none"}, {"tool_choice": "auto"}, {"tools": []}, {"response_format": {"type": "text"}},
+                  {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, {"logit_bias": {}}):
+        response = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, **extra}, timeout=30)
+        assert response.status_code == 200, (extra, response.text)
 
 
 def test_bad_completion_requests_are_400(server):

@@ -19,6 +19,7 @@ keeps serving in both cases.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import queue
 import threading
@@ -103,7 +104,11 @@ class AsyncLLMEngine:
                        req_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the engine produces them, the last with finished=True. Raises ValueError
         (the prompt cannot be served, as LLMEngine.add_request says) before the first output, and
-        EngineNotReadyError before the model is loaded or after shutdown."""
+        EngineNotReadyError before the model is loaded or after shutdown.
+
+        A caller slower than the engine gets the outputs that are waiting merged into one (as vLLM's
+        AsyncLLM does): new_token_ids, new_text and new_logprobs of all of them, the rest from the latest. So
+        one output may carry several tokens; joined, the outputs' new_text is the request's text either way."""
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:  # with the thread's last drain of the inbox, no request can be left in it unanswered
@@ -120,6 +125,11 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                if not item.finished and not stream.queue.empty():
+                    item = _coalesce(item, stream.queue)
+                    if isinstance(item, BaseException):
+                        finished = True
+                        raise item
                 finished = item.finished
                 yield item
         finally:
@@ -243,6 +253,26 @@ class AsyncLLMEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:
             pass
+
+
+def _coalesce(first: RequestOutput, q: asyncio.Queue) -> RequestOutput | BaseException:
+    """first merged with the outputs waiting in q, up to and including a finished one (an exception waiting
+    behind them wins: the request has failed)."""
+    outs = [first]
+    while not q.empty() and not outs[-1].finished:
+        item = q.get_nowait()
+        if isinstance(item, BaseException):
+            return item
+        outs.append(item)
+    last = outs[-1]
+    logprobs = None
+    if any(out.new_logprobs is not None for out in outs):
+        logprobs = [lp for out in outs for lp in (out.new_logprobs or ())]
+    return dataclasses.replace(last, new_token_ids=[t for out in outs for t in out.new_token_ids],
+                               new_text="".join(out.new_text for out in outs), new_logprobs=logprobs,
+                               first_token_time=first.first_token_time or last.first_token_time,
+                               prompt_logprobs=last.prompt_logprobs if last.prompt_logprobs is not None
+                               else next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None))
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -1,6 +1,6 @@
 """`Sampler`: turns the last-position logits of a batch into next token ids, one `SamplingParams` per row.
 
-Order per row: repetition penalty -> presence / frequency penalties -> greedy (argmax) when temperature is 0 -> temperature -> top-k -> top-p
+Order per row: logit bias -> repetition penalty -> presence / frequency penalties -> greedy (argmax) when temperature is 0 -> temperature -> top-k -> top-p
 -> min-p -> draw. Each filter keeps the logits >= a per-row threshold, so the three combine into one
 threshold (the largest) and one mask:
   top-k  the k-th largest logit (tokens tied with it are kept);
@@ -49,8 +49,12 @@ class Sampler:
         _check_inputs(logits, params, generators, token_history)
         logits = logits.float()  # [S, V]; a copy is made below before anything is written
         copied = False
-        if any(p.repetition_penalty != 1.0 and len(h) > 0 for p, h in zip(params, token_history)):
+        if any(p.logit_bias for p in params):
             logits, copied = logits.clone(), True
+            _apply_logit_bias(logits, params)
+        if any(p.repetition_penalty != 1.0 and len(h) > 0 for p, h in zip(params, token_history)):
+            logits = logits if copied else logits.clone()
+            copied = True
             _apply_repetition_penalty(logits, params, token_history)
         if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
             if output_token_ids is None or len(output_token_ids) != logits.shape[0]:
@@ -84,6 +88,27 @@ def _check_inputs(logits, params, generators, token_history) -> None:
     bad_rows = (~torch.isfinite(logits.amax(dim=-1))).nonzero().flatten().tolist()
     if bad_rows:
         raise ValueError(f"Sampler: logits of rows {bad_rows} contain NaN or +inf, or are all -inf")
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """In place on logits [S, V]: each row's logit_bias added to its ids' logits (OpenAI's logit_bias)."""
+    vocab_size = logits.shape[1]
+    row_index: list[int] = []
+    token_index: list[int] = []
+    biases: list[float] = []
+    for row, p in enumerate(params):
+        if not p.logit_bias:
+            continue
+        bad = sorted(t for t in p.logit_bias if not 0 <= t < vocab_size)[:5]
+        if bad:
+            raise ValueError(f"Sampler: logit_bias of row {row} holds ids outside [0, {vocab_size}): {bad}")
+        row_index.extend([row] * len(p.logit_bias))
+        token_index.extend(p.logit_bias)
+        biases.extend(p.logit_bias.values())
+    device = logits.device
+    rows = torch.tensor(row_index, device=device)  # [N] N = (row, id) pairs
+    tokens = torch.tensor(token_index, device=device)  # [N]
+    logits[rows, tokens] += torch.tensor(biases, dtype=logits.dtype, device=device)
 
 
 def _apply_repetition_penalty(

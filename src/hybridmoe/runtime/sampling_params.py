@@ -10,6 +10,9 @@ Field names and meanings follow vLLM / the OpenAI API:
   presence_penalty    OpenAI semantics, over the output only: subtracted from the logit of every id generated
                       at least once; in [-2, 2], 0 turns it off.
   frequency_penalty   OpenAI semantics, over the output only: subtracted once per time an id was generated.
+  logit_bias          OpenAI semantics: {token id: bias in [-100, 100]} added to those ids' logits before anything
+                      else the sampler does (as vLLM applies it: before the penalties); -100 all but bans a token,
+                      100 all but forces it. None or {} turns it off.
   seed                per-request random seed: the same seed gives the same tokens whatever else is batched.
   stop                strings that end generation (the text is cut before the stop string).
   stop_token_ids      token ids that end generation (in addition to EOS).
@@ -34,6 +37,7 @@ from numbers import Integral, Real
 # with extra float overflow risk. Same threshold as vLLM's _SAMPLING_EPS.
 GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20  # the OpenAI API's bound on top_logprobs
+MAX_LOGIT_BIAS = 100  # the OpenAI API's bound on a logit_bias value
 
 
 def _is_int(value: object) -> bool:
@@ -53,6 +57,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -71,6 +76,9 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"SamplingParams.logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self._validate()
 
     def _validate(self) -> None:
@@ -114,6 +122,11 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if not _is_int(token_id) or token_id < 0:
                 raise bad("stop_token_ids", "must hold only integers >= 0")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not _is_int(token_id) or token_id < 0:
+                raise bad("logit_bias", "must have token ids (integers >= 0) as keys")
+            if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"must have biases in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}] as values")
 
     @property
     def is_greedy(self) -> bool:

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from hybridmoe.runtime.engine import RequestOutput
 from hybridmoe.serve.errors import APIError
 from hybridmoe.serve.generation import (ClientDisconnected, check_context, collect, merged, refused_as_400,
-                                        stream_response, until_disconnected, usage)
+                                        chunk_template, stream_response, to_json, until_disconnected, usage)
 from hybridmoe.serve.logprobs import TokenStrings, chat_logprobs
 from hybridmoe.serve.protocol import ChatCompletionRequest, ChatMessage
 from hybridmoe.serve.state import ServerState
@@ -34,9 +34,9 @@ def render_messages(tokenizer, messages: list[ChatMessage], add_generation_promp
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request) -> Response:
     state.admit(body.model, body.n)
-    unsupported = body.unsupported_fields()
-    if unsupported:
-        raise APIError(400, f"{unsupported} is not supported by this server with that value", param=unsupported)
+    unsupported = body.unsupported()
+    if unsupported is not None:
+        raise APIError(400, unsupported[1], param=unsupported[0])
     engine = state.engine
     prompt_ids = render_messages(engine.tokenizer, body.messages, body.add_generation_prompt,
                                  body.chat_template_kwargs)
@@ -46,7 +46,12 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         max_tokens = max(1, engine.max_model_len - len(prompt_ids))
     check_context(len(prompt_ids), max_tokens, engine.max_model_len, param)
     try:
-        params = [body.sampling_params(max_tokens, body.num_logprobs, choice=i) for i in range(body.n)]
+        logit_bias = body.token_bias(engine.tokenizer.vocab_size)
+    except ValueError as error:
+        raise APIError(400, str(error), param="logit_bias") from error
+    try:
+        params = [body.sampling_params(max_tokens, body.num_logprobs, choice=i, logit_bias=logit_bias)
+                  for i in range(body.n)]
     except ValueError as error:
         raise APIError(400, str(error)) from error
     req_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -83,23 +88,27 @@ class _ChatStream:
         self._num_choices, self._num_prompt_tokens = num_choices, num_prompt_tokens
         self._include_usage, self._strings = include_usage, strings
         self._completion_tokens = 0
+        self._head = chunk_template(self._base)
 
     def head(self) -> list[dict]:
         return [{**self._base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]}
                 for i in range(self._num_choices)]
 
-    def chunk(self, index: int, out: RequestOutput) -> dict | None:
+    def chunk(self, index: int, out: RequestOutput) -> str | None:
+        """The JSON of `{**base, "choices": [{"index", "delta", "logprobs", "finish_reason"}]}`, from the
+        stream's constant head (no dict per chunk)."""
         if not out.new_text and not out.finished and not out.new_logprobs:
             return None  # a token that completes no character yet
         if out.finished:
             self._completion_tokens += len(out.token_ids)
-        logprobs = None
+        logprobs = "null"
         if self._strings is not None:
-            logprobs = {"content": chat_logprobs(out.new_logprobs or [], self._strings)}
-        delta = {"content": out.new_text} if out.new_text or not out.finished else {}
-        return {**self._base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                           "finish_reason": out.finish_reason if out.finished else None}]}
+            logprobs = to_json({"content": chat_logprobs(out.new_logprobs or [], self._strings)})
+        delta = '{"content":' + to_json(out.new_text) + "}" if out.new_text or not out.finished else "{}"
+        finish_reason = to_json(out.finish_reason) if out.finished else "null"
+        return f'{self._head}{index},"delta":{delta},"logprobs":{logprobs},"finish_reason":{finish_reason}}}]}}'
+
 
     def tail(self) -> list[dict]:
         if not self._include_usage:

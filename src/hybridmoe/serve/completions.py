@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from hybridmoe.runtime.engine import RequestOutput
 from hybridmoe.serve.errors import APIError
 from hybridmoe.serve.generation import (ClientDisconnected, check_context, collect, merged, refused_as_400,
-                                        stream_response, until_disconnected, usage)
+                                        chunk_template, stream_response, to_json, until_disconnected, usage)
 from hybridmoe.serve.logprobs import TokenStrings, completion_logprobs, merge_completion_logprobs
 from hybridmoe.serve.protocol import CompletionRequest
 from hybridmoe.serve.state import ServerState
@@ -23,9 +23,9 @@ from hybridmoe.serve.state import ServerState
 async def create_completion(state: ServerState, body: CompletionRequest, request: Request) -> Response:
     prompts = body.prompts()
     state.admit(body.model, len(prompts) * body.n)
-    unsupported = body.unsupported_fields()
-    if unsupported:
-        raise APIError(400, f"{unsupported} is not supported by this server with that value", param=unsupported)
+    unsupported = body.unsupported()
+    if unsupported is not None:
+        raise APIError(400, unsupported[1], param=unsupported[0])
     if not prompts or any(len(p) == 0 for p in prompts):
         raise APIError(400, "prompt must not be empty", param="prompt")
     engine = state.engine
@@ -37,7 +37,12 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
         check_context(len(ids), requested, engine.max_model_len)
     prompt_logprobs = body.logprobs if body.echo else None
     try:
-        jobs = [(ids, body.sampling_params(max_tokens, body.logprobs, prompt_logprobs, choice=c))
+        logit_bias = body.token_bias(tokenizer.vocab_size)
+    except ValueError as error:
+        raise APIError(400, str(error), param="logit_bias") from error
+    try:
+        jobs = [(ids, body.sampling_params(max_tokens, body.logprobs, prompt_logprobs, choice=c,
+                                           logit_bias=logit_bias))
                 for ids in prompt_ids for c in range(body.n)]
     except ValueError as error:
         raise APIError(400, str(error)) from error
@@ -90,11 +95,14 @@ class _CompletionStream:
         self._started: set[int] = set()
         self._offsets: dict[int, int] = {}
         self._completion_tokens = 0
+        self._head = chunk_template(self._base)
 
     def head(self) -> list[dict]:
         return []
 
-    def chunk(self, index: int, out: RequestOutput) -> dict | None:
+    def chunk(self, index: int, out: RequestOutput) -> str | None:
+        """The JSON of `{**base, "choices": [{"index", "text", "logprobs", "finish_reason"}]}`, from the stream's
+        constant head (no dict per chunk)."""
         text, parts = "", []
         if index not in self._started:  # the echo goes first, with the prompt's logprobs
             self._started.add(index)
@@ -112,10 +120,10 @@ class _CompletionStream:
                 self._completion_tokens += len(out.token_ids)
         if not text and not parts and not out.finished:
             return None
-        logprobs = merge_completion_logprobs(parts) if self._strings is not None else None
-        finish_reason = ("length" if self._echo_only else out.finish_reason) if out.finished else None
-        return {**self._base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                           "finish_reason": finish_reason}]}
+        logprobs = to_json(merge_completion_logprobs(parts)) if self._strings is not None else "null"
+        finish_reason = to_json("length" if self._echo_only else out.finish_reason) if out.finished else "null"
+        return (f'{self._head}{index},"text":{to_json(text)},"logprobs":{logprobs},'
+                f'"finish_reason":{finish_reason}}}]}}')
 
     def tail(self) -> list[dict]:
         if not self._include_usage:

@@ -53,15 +53,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 async def merged(engine: EngineClient, jobs: list[tuple[list[int], SamplingParams]],
-                 req_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Start every (prompt ids, params) job as request f"{req_id}-{index}" and yield (index, output) as they come.
-    A refused job raises its ValueError; leaving early aborts the jobs still running."""
-    if len(jobs) == 1:  # the common case, without a task per job
+                 req_id: str) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+    """Start every (prompt ids, params) job as request f"{req_id}-{index}" and yield the (index, output) pairs
+    that are ready, a list at a time (one write for a streamed response). A refused job raises its ValueError;
+    leaving early aborts the jobs still running."""
+    if len(jobs) == 1:  # the common case, without a task per job (the engine merges the outputs that wait)
         prompt, params = jobs[0]
         stream = engine.generate(prompt, params, f"{req_id}-0")
         try:
             async for out in stream:
-                yield 0, out
+                yield [(0, out)]
         finally:
             await stream.aclose()
         return
@@ -79,11 +80,14 @@ async def merged(engine: EngineClient, jobs: list[tuple[list[int], SamplingParam
     try:
         remaining = len(jobs)
         while remaining:
-            index, item = await inbox.get()
-            if isinstance(item, Exception):
-                raise item
-            remaining -= item.finished
-            yield index, item
+            batch = [await inbox.get()]
+            while not inbox.empty():
+                batch.append(inbox.get_nowait())
+            for index, item in batch:
+                if isinstance(item, Exception):
+                    raise item
+                remaining -= item.finished
+            yield batch
     finally:
         for task in tasks:
             task.cancel()
@@ -125,19 +129,23 @@ class Choice:
     error: str | None = None
 
 
-async def collect(outputs: AsyncIterator[tuple[int, RequestOutput]], num_choices: int) -> list[Choice]:
+async def collect(outputs: AsyncIterator[list[tuple[int, RequestOutput]]], num_choices: int) -> list[Choice]:
     """Read merged outputs to the end; a failed request (finish_reason "error") is a 500."""
     choices = [Choice() for _ in range(num_choices)]
-    async for index, out in outputs:
-        choice = choices[index]
-        if out.new_logprobs:
-            choice.logprobs += out.new_logprobs
-        if out.finished:
-            if out.finish_reason == "error":
-                raise APIError(500, f"generation failed: {out.error}")
-            choice.text, choice.token_ids, choice.finish_reason = out.text, out.token_ids, out.finish_reason
-            choice.prompt_token_ids, choice.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs
+    async for batch in outputs:
+        for index, out in batch:
+            _gather(choices[index], out)
     return choices
+
+
+def _gather(choice: Choice, out: RequestOutput) -> None:
+    if out.new_logprobs:
+        choice.logprobs += out.new_logprobs
+    if out.finished:
+        if out.finish_reason == "error":
+            raise APIError(500, f"generation failed: {out.error}")
+        choice.text, choice.token_ids, choice.finish_reason = out.text, out.token_ids, out.finish_reason
+        choice.prompt_token_ids, choice.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs
 
 
 class StreamFormat(Protocol):
@@ -145,16 +153,17 @@ class StreamFormat(Protocol):
 
     def head(self) -> list[dict]: ...  # chunks before the first output
 
-    def chunk(self, index: int, out: RequestOutput) -> dict | None: ...  # None: nothing to send
+    def chunk(self, index: int, out: RequestOutput) -> str | None: ...  # the chunk's JSON; None: nothing to send
 
     def tail(self) -> list[dict]: ...  # chunks after the last output (usage)
 
 
-async def stream_response(request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]],
+async def stream_response(request: Request, outputs: AsyncIterator[list[tuple[int, RequestOutput]]],
                           fmt: StreamFormat) -> Response:
     """Server-sent events: `data: {chunk}` lines, then `data: [DONE]`. Waits for the first output before the
     response starts, so that a refused request is still an HTTP error. A request that fails midway sends an
-    error event (OpenAI's error shape) before [DONE]."""
+    error event (OpenAI's error shape) before [DONE]. The events of the outputs ready together go out in one
+    write; an output that carries several tokens (the client read slower than the engine produced) is one chunk."""
     try:
         first = await until_disconnected(request, anext(outputs))
     except ClientDisconnected:
@@ -162,31 +171,49 @@ async def stream_response(request: Request, outputs: AsyncIterator[tuple[int, Re
 
     async def events():
         try:
-            for data in fmt.head():
-                yield _event(data)
-            index, out = first
+            head = "".join(_event(data) for data in fmt.head())
+            batch = first
             while True:
-                if out.finish_reason == "error":
-                    yield _event(error_body(500, f"generation failed: {out.error}"))
-                    yield "data: [DONE]\n\n"
-                    return
-                data = fmt.chunk(index, out)
-                if data is not None:
-                    yield _event(data)
+                parts = [head] if head else []
+                head = ""
+                for index, out in batch:
+                    if out.finish_reason == "error":
+                        parts.append(_event(error_body(500, f"generation failed: {out.error}")))
+                        parts.append("data: [DONE]\n\n")
+                        yield "".join(parts).encode()
+                        return
+                    data = fmt.chunk(index, out)
+                    if data is not None:
+                        parts.append(f"data: {data}\n\n")
+                if parts:
+                    yield "".join(parts).encode()
                 try:
-                    index, out = await anext(outputs)
+                    batch = await anext(outputs)
                 except StopAsyncIteration:
                     break
-            for data in fmt.tail():
-                yield _event(data)
+            tail = "".join(_event(data) for data in fmt.tail())
+            if tail:
+                yield tail.encode()
         except Exception as error:  # the engine failed outside a step's model run
-            yield _event(error_body(500, f"generation failed: {error}"))
+            yield _event(error_body(500, f"generation failed: {error}")).encode()
         finally:
             await outputs.aclose()
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+# Compact JSON as the chunks are written (ensure_ascii off: the text as UTF-8); a str alone takes the encoder's
+# C fast path, which the chunk templates below use for the text of each chunk.
+to_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def _event(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {to_json(data)}\n\n"
+
+
+def chunk_template(base: dict) -> str:
+    """The JSON of `{**base, "choices": [{"index": ` (a chunk of one choice starts so): the constant head of a
+    stream's chunks, which the formats complete with the index and the choice's fields, byte for byte what
+    to_json of the whole chunk gives."""
+    return to_json(base)[:-1] + ',"choices":[{"index":'

@@ -2,7 +2,7 @@
 and detokenize, with OpenAI's field names and vLLM's extra sampling fields.
 
 Types and ranges are checked here (a violation is a 400 naming the field); unknown fields are ignored, as OpenAI's
-and vLLM's servers do, while known fields this server cannot honour are refused by name (`unsupported_fields`).
+and vLLM's servers do, while known fields this server cannot honour are refused by name (`unsupported`).
 Responses are plain dicts built by the handlers (chat.py, completions.py): cheaper than models per stream chunk.
 """
 
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hybridmoe.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
+from hybridmoe.runtime.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 MAX_CHOICES = 128  # n: each choice is a request of its own
 
@@ -50,16 +50,33 @@ class SamplingFields(_Body):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
 
-    def unsupported_fields(self) -> str | None:
-        """The first field set to something this server does not do (its 400 names it), else None."""
-        if self.logit_bias:
-            return "logit_bias"
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, message) of the first field set to something this server does not do (its 400 names it)."""
         if self.stream_options is not None and not self.stream:
-            return "stream_options"  # OpenAI: only with stream=true
+            return "stream_options", "stream_options is not supported without stream: true"  # as OpenAI
         return None
 
+    def token_bias(self, vocab_size: int) -> dict[int, float] | None:
+        """logit_bias with token ids as ints; ValueError (a 400 naming logit_bias) for a key that is not a token id
+        in [0, vocab_size) or a bias outside [-100, 100]."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias: the key {key!r} is not a token id") from None
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"logit_bias: the token id {token_id} is not in [0, {vocab_size})")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # also NaN
+                raise ValueError(f"logit_bias: the bias {value} of token {token_id} is not in "
+                                 f"[-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
+            bias[token_id] = value
+        return bias
+
     def sampling_params(self, max_tokens: int, num_logprobs: int | None, prompt_logprobs: int | None = None,
-                        choice: int = 0) -> SamplingParams:
+                        choice: int = 0, logit_bias: dict[int, float] | None = None) -> SamplingParams:
         """The SamplingParams of choice number `choice` (a given seed is offset per choice, so the n choices
         differ and each is reproducible). Defaults are OpenAI's (temperature 1, top_p 1)."""
         return SamplingParams(
@@ -67,7 +84,7 @@ class SamplingFields(_Body):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0, min_p=self.min_p or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, logit_bias=logit_bias,
             seed=None if self.seed is None else self.seed + choice,
             stop=self.stop, stop_token_ids=self.stop_token_ids, max_tokens=max_tokens,
             min_tokens=min(self.min_tokens, max_tokens), ignore_eos=self.ignore_eos,
@@ -75,15 +92,29 @@ class SamplingFields(_Body):
         )
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """A part of a message's content. Only text parts are served; other types (image_url, input_audio, file) are
+    read so that the handler can refuse them by name."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    def unsupported_part(self) -> tuple[int, str] | None:
+        """(index, message) of the first content part this server cannot serve, else None."""
+        for i, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            if part.type != "text":
+                return i, (f"content parts of type {part.type!r} are not supported: this server serves a text-only "
+                           "model; send text parts or a string")
+            if part.text is None:
+                return i, "a text content part needs its text"
+        return None
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM joins them)."""
@@ -106,16 +137,22 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def unsupported_fields(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
+        for i, message in enumerate(self.messages):
+            part = message.unsupported_part()
+            if part is not None:
+                return f"messages[{i}].content[{part[0]}]", f"messages[{i}].content[{part[0]}]: {part[1]}"
         if self.tools:
-            return "tools"
+            return "tools", "tools (function calling) is not supported by this server; send the request without tools"
         if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice"
+            return "tool_choice", (f"tool_choice {self.tool_choice!r} is not supported by this server: it has no tool "
+                                   "calling (only none or auto, which mean the same without tools)")
         if self.response_format is not None and self.response_format.get("type") != "text":
-            return "response_format"
+            return "response_format", (f"response_format of type {self.response_format.get('type')!r} is not "
+                                       "supported by this server (no structured output); only 'text'")
         if self.top_logprobs is not None and not self.logprobs:
-            return "top_logprobs"  # OpenAI: only with logprobs=true
-        return super().unsupported_fields()
+            return "top_logprobs", "top_logprobs is not supported without logprobs: true"  # as OpenAI
+        return super().unsupported()
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -138,14 +175,14 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
-    def unsupported_fields(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
         if self.suffix:
-            return "suffix"
+            return "suffix", "suffix is not supported by this server (no fill-in-the-middle)"
         if self.best_of is not None and self.best_of != self.n:
-            return "best_of"
-        if self.max_tokens == 0 and not self.echo:
-            return "max_tokens"  # 0 tokens only makes sense when the prompt is echoed (and scored)
-        return super().unsupported_fields()
+            return "best_of", "best_of is not supported by this server with a value other than n"
+        if self.max_tokens == 0 and not self.echo:  # 0 tokens only makes sense when the prompt is echoed (and scored)
+            return "max_tokens", "max_tokens 0 is not supported without echo: true"
+        return super().unsupported()
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (each a string or token ids)."""
