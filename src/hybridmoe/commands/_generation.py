@@ -7,6 +7,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from hybridmoe.accel.accelerator import DeviceMemoryError
 from hybridmoe.runtime.engine import EngineConfig, LLMEngine
 from hybridmoe.runtime.sampling_params import SamplingParams
 
@@ -25,6 +26,36 @@ def add_model_arguments(parser: argparse.ArgumentParser, kv_cache_gb: float = 1.
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="compute every prompt in full rather than reuse the KV of an earlier request's equal "
                              "prefix (a chat's earlier turns, a shared system prompt); the tokens are the same")
+    add_hybrid_arguments(parser)
+
+
+def add_hybrid_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the model runs (docs/hybrid.md): accelerator, its memory budget, the plan."""
+    group = parser.add_argument_group("hybrid execution (docs/hybrid.md)")
+    group.add_argument("--device", default="auto",
+                       help="auto (default: CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N")
+    group.add_argument("--vram", default=None,
+                       help="accelerator memory the plan may use, e.g. 24GB or 22.5GiB (default on CUDA: free memory "
+                            "minus a reserve). Without a GPU a budget (or --plan) runs the plan on the CPU standing in "
+                            "for one; without either the plain CPU engine runs (the fastest there)")
+    group.add_argument("--gpus", type=int, default=1, dest="num_gpus",
+                       help="accelerators for stream-loading prefill with expert parallelism (default 1)")
+    group.add_argument("--stream-prefill", default="auto", choices=["auto", "on", "off"],
+                       help="stream-loading prefill: auto (from the plan's crossover prompt length), on, off")
+    group.add_argument("--plan", default=None, metavar="FILE",
+                       help="run the plan in FILE (written by `hybridmoe plan --json`) instead of planning at load")
+    group.add_argument("--routing", default=None, metavar="FILE",
+                       help="routing statistics (`hybridmoe profile --routing-model`): the hot experts to place")
+    group.add_argument("--verbose", action="store_true",
+                       help="print the plan and what was placed where at load, and what ran where after generating")
+
+
+def engine_config(args: argparse.Namespace, **more) -> EngineConfig:
+    """EngineConfig from the flags of add_model_arguments (and `more` fields)."""
+    return EngineConfig(dtype=args.dtype, kv_cache_gb=args.kv_cache_gb, expert_backend=args.expert_backend,
+                        enable_prefix_caching=args.enable_prefix_caching, device=args.device, vram=args.vram,
+                        num_gpus=args.num_gpus, stream_prefill=args.stream_prefill, plan=args.plan,
+                        routing=args.routing, verbose=args.verbose, **more)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -49,9 +80,10 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
     """The engine for args.model (a directory, or demo), with the engine flags of add_model_arguments."""
-    return LLMEngine(args.model, EngineConfig(dtype=args.dtype, kv_cache_gb=args.kv_cache_gb,
-                                              expert_backend=args.expert_backend,
-                                              enable_prefix_caching=args.enable_prefix_caching))
+    try:
+        return LLMEngine(args.model, engine_config(args))
+    except DeviceMemoryError as error:  # a placement over the vram budget: bad input, said as such
+        raise ValueError(str(error)) from None
 
 
 @dataclass

@@ -24,7 +24,12 @@ def run(args) -> int:
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    _, stats = stream(engine, prompt, params)
+    try:
+        _, stats = stream(engine, prompt, params)
+    finally:
+        engine.close()
     print()
     print(stats.summary(), file=sys.stderr)
+    if args.verbose and engine.placement is not None:
+        print(engine.run_stats.summary(), file=sys.stderr)
     return 0

@@ -6,10 +6,9 @@ from __future__ import annotations
 import logging
 
 from hybridmoe.checkpoint.default_model import resolve_model_dir
-from hybridmoe.commands._generation import add_model_arguments
+from hybridmoe.commands._generation import add_model_arguments, engine_config
 from hybridmoe.config import load_config
 from hybridmoe.runtime.async_engine import AsyncLLMEngine
-from hybridmoe.runtime.engine import EngineConfig
 from hybridmoe.serve.api_server import run_server
 from hybridmoe.serve.state import ServerSettings
 
@@ -43,9 +42,8 @@ def run(args) -> int:
     for name in ("port", "max_waiting_requests", "max_request_bytes"):
         if getattr(args, name) < (0 if name == "max_waiting_requests" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    config = EngineConfig(dtype=args.dtype, kv_cache_gb=args.kv_cache_gb, expert_backend=args.expert_backend,
-                          enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    config = engine_config(args, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens)
     load_config(resolve_model_dir(args.model))  # a wrong --model is an error line before the server starts
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     settings = ServerSettings(served_model_name=args.served_model_name or str(args.model), api_key=args.api_key,

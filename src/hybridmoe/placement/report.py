@@ -132,4 +132,7 @@ def plan_to_json(plan: Plan) -> dict:
                     for c in plan.prefill],
         "slp_crossover_tokens": plan.crossover_tokens, "decode_tok_s": plan.decode_tok_s,
         "routing_measured": plan.routing_measured, "notes": list(plan.notes),
+        # each MoE layer's hot experts, by decoder layer (what `--plan FILE` places on the accelerator)
+        "hot_experts": {str(layer): list(ids) for layer, ids in
+                        zip(sorted({i.layer for i in plan.items if i.kind == "router"}), plan.residency.hot) if ids},
     }

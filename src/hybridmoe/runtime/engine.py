@@ -146,6 +146,7 @@ class LLMEngine:
             raise ValueError(f"kv_cache_gb={cfg.kv_cache_gb:g} holds no KV block: one block of {cfg.block_size} "
                              f"tokens of this model takes {block_bytes} bytes ({block_bytes / 2**30:.3g} GB)")
         self.accel, self.placement, self.run_stats = None, None, RunStats()
+        self._attached: list = []  # what close() stops
         if hybrid_wanted(cfg):
             self._place(num_blocks * cfg.block_size * self.model.kv_bytes_per_token())
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
@@ -181,6 +182,13 @@ class LLMEngine:
         self.run_stats = RunStats(self.accel.ledger, self.accel.is_cuda)
         place_model(self.model, placement, self.accel, self.run_stats)
         self.placement = placement
+
+    def close(self) -> None:
+        """Stop what the engine started beside the model (expert-parallel worker ranks) and free stream-loading
+        prefill's device slots; idempotent. The engine can still decode afterwards, without them."""
+        attached, self._attached = self._attached, []
+        for part in attached:
+            part()
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     req_id: str | None = None) -> str:
