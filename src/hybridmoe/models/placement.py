@@ -63,6 +63,7 @@ class Placement:
     hot: dict[int, tuple[int, ...]] = field(default_factory=dict)  # decoder layer -> expert ids
     source: str = ""  # where it came from (for --verbose)
     plan: Plan | None = None  # the plan, when planned here
+    builder: object = None  # its placement.passes.PassBuilder (stream-loading prefill's copy choice), when planned here
     notes: tuple[str, ...] = ()
 
     @property
@@ -211,7 +212,7 @@ def plan_placement(model, accel: Accelerator, budget_bytes: float, kv_cache_byte
     res = plan.residency
     hot = {layer: tuple(res.hot[row]) for row, layer in enumerate(moe_layers) if res.hot and res.hot[row]}
     return Placement(res.attention, res.router, res.shared, res.dense, res.lm_head, hot,
-                     f"planned for {machine.name}", plan, plan.notes)
+                     source=f"planned for {machine.name}", plan=plan, notes=plan.notes, builder=planner.builder)
 
 
 def _with_notes(plan: Plan, notes: list[str]) -> Plan:
@@ -282,7 +283,7 @@ def load_plan_file(path: str | Path, config: ModelConfig, dtype: torch.dtype,
         else:  # uniform routing: the planner's tie-break takes the lowest ids
             hot[layer] = tuple(range(count))
     placement = Placement(tuple(on["attention"]), tuple(on["router"]), tuple(on["shared"]), tuple(on["dense"]),
-                          lm_head, hot, f"plan file {where}", None, tuple(data.get("notes", ())))
+                          lm_head, hot, source=f"plan file {where}", notes=tuple(data.get("notes", ())))
     return placement, float(data["budget_bytes"])
 
 

@@ -22,10 +22,12 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.accel.accelerator import parse_bytes, select_accelerator
+from hybridmoe.accel.accelerator import DeviceMemoryError, parse_bytes, select_accelerator
 from hybridmoe.accel.stats import RunStats
 from hybridmoe.checkpoint.default_model import resolve_model_dir
 from hybridmoe.config import load_config
+from hybridmoe.layers.moe.block import MoEBlock
+from hybridmoe.layers.moe.hybrid_backend import TimedOnDevice
 from hybridmoe.models.loader import load_model, resolve_dtype
 from hybridmoe.models.placement import load_plan_file, place_model, placement_report, plan_placement
 from hybridmoe.runtime.block_manager import BlockManager
@@ -150,8 +152,17 @@ class LLMEngine:
         if hybrid_wanted(cfg):
             self._place(num_blocks * cfg.block_size * self.model.kv_bytes_per_token())
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
+        self._stream_gate: list = []  # MoE blocks whose streaming prefill is switched per step (stream_prefill="on")
+        self._stream_stats = None  # stream-loading prefill's StreamStats, read after each step
+        try:
+            self._attach_prefill(model_dir)
+        except BaseException:
+            self.close()
+            raise
         if self.placement is not None and cfg.verbose:
             print(placement_report(self.placement, self.accel), file=sys.stderr)
+        if cfg.verbose and self.prefill_note:
+            print(self.prefill_note, file=sys.stderr)
         wanted = cfg.max_model_len or self.model_config.max_position_embeddings
         cache_tokens = num_blocks * cfg.block_size
         self.max_model_len = min(wanted, cache_tokens)
@@ -182,6 +193,60 @@ class LLMEngine:
         self.run_stats = RunStats(self.accel.ledger, self.accel.is_cuda)
         place_model(self.model, placement, self.accel, self.run_stats)
         self.placement = placement
+
+    def _attach_prefill(self, model_dir: Path) -> None:
+        """Stream-loading prefill (layers/moe/stream_prefill.py), over num_gpus ranks with expert parallelism when
+        num_gpus > 1 (parallel/): "on" for every step that prefills, "auto" for chunks from the plan's crossover on
+        (off without a plan, or when the plan predicts none, or when its device slots do not fit the budget)."""
+        cfg, plan = self.config, self.placement.plan if self.placement is not None else None
+        self.prefill_note = ""
+        if cfg.stream_prefill == "off":
+            if cfg.num_gpus > 1:
+                raise ValueError(f"num_gpus={cfg.num_gpus} runs stream-loading prefill over the ranks; "
+                                 "stream_prefill='off' leaves nothing for them to do")
+            return
+        if cfg.stream_prefill == "auto":
+            crossover = plan.crossover_tokens if plan is not None else None
+            if crossover is None:
+                self.prefill_note = ("stream-loading prefill: off (" + ("the plan predicts no prompt length where "
+                                     "it wins" if plan is not None else "no plan: the plain CPU engine") + ")")
+                if cfg.num_gpus > 1:
+                    raise ValueError(f"num_gpus={cfg.num_gpus}: stream_prefill='auto' found no crossover "
+                                     f"({self.prefill_note}); give stream_prefill='on' to use the ranks")
+                return
+            min_tokens = max(crossover, cfg.max_num_seqs + 1)  # a decode-only step never streams
+        else:
+            min_tokens = 1  # every step with a prefill chunk streams (switched per step in _run)
+        if self.accel is None:  # the stand-in without a budget: an unbounded one for the slots
+            self.accel = select_accelerator(cfg.device, parse_bytes(cfg.vram))
+            self.run_stats = RunStats(self.accel.ledger, self.accel.is_cuda)
+        if cfg.num_gpus > 1:
+            from hybridmoe.parallel.attach import attach_expert_parallel
+
+            parallel = attach_expert_parallel(self.model, model_dir, cfg.num_gpus, self.accel, min_tokens)
+            self._attached.append(parallel.close)
+            what = f"over {parallel.world_size} ranks (expert parallelism)"
+        else:
+            from hybridmoe.layers.moe.stream_prefill import StreamPrefill, planned_copy
+
+            copy = planned_copy(self.placement.builder) if plan is not None and cfg.stream_prefill == "auto" else "all"
+            try:
+                slp = StreamPrefill(self.model, self.accel, min_tokens, copy)
+            except DeviceMemoryError as error:
+                if cfg.stream_prefill == "on":
+                    raise
+                self.prefill_note = f"stream-loading prefill: off (its device slots do not fit: {error})"
+                return
+            self._attached.append(slp.detach)
+            self._stream_stats = slp.stats
+            for block in slp.blocks:  # its grouped matmuls count as accelerator time
+                block.prefill_experts = TimedOnDevice(block.prefill_experts, self.run_stats)
+            what = "on this accelerator"
+        blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
+        if cfg.stream_prefill == "on":
+            self._stream_gate = blocks
+        self.prefill_note = (f"stream-loading prefill {what}: " + ("every prefill step" if cfg.stream_prefill == "on"
+                             else f"chunks of at least {min_tokens} tokens (the plan's crossover)"))
 
     def close(self) -> None:
         """Stop what the engine started beside the model (expert-parallel worker ranks) and free stream-loading
@@ -273,8 +338,15 @@ class LLMEngine:
             if prompt_logprobs is not None and prompt_logprobs.wants(start, item.num_new_tokens):
                 scoring_prompt.append(i)
         stats = self.run_stats
-        stats.begin_step("decode" if all(item.num_new_tokens == 1 for item in sched.scheduled) else "prefill")
+        decode_only = all(item.num_new_tokens == 1 for item in sched.scheduled)
+        for block in self._stream_gate:  # stream_prefill="on": steps with a prefill chunk stream, decode steps not
+            block.prefill_min_tokens = sys.maxsize if decode_only else 1
+        streamed = self._stream_stats() if self._stream_stats is not None else None
+        stats.begin_step("decode" if decode_only else "prefill")
         logits = self.runner.forward(chunks, all_logits=bool(scoring_prompt))  # [S, V], or [T, V] when scoring
+        if streamed is not None:
+            now = self._stream_stats()
+            stats.add_streamed(now.bytes - streamed.bytes, now.copy_s - streamed.copy_s)
         stats.end_step(sum(item.num_new_tokens for item in sched.scheduled))
         if scoring_prompt:  # every position's logits: score the prompt tokens, keep each chunk's last row
             ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0)  # [S]

@@ -36,7 +36,8 @@ HOST = torch.device("cpu")
 
 
 class TimedOnDevice:
-    """A part resident on the accelerator (router, shared experts) whose calls count as accelerator time."""
+    """A part that runs on the accelerator (router, shared experts, stream-loading prefill's experts) whose calls
+    count as accelerator time."""
 
     def __init__(self, part, stats: RunStats):
         self.part, self.stats = part, stats
@@ -48,6 +49,14 @@ class TimedOnDevice:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self.stats.accel_section():
             return self.part.forward(x)
+
+    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        with self.stats.accel_section():
+            return self.part.submit(hidden, topk_ids, topk_weights)
+
+    def wait(self, handle) -> torch.Tensor:
+        with self.stats.accel_section():
+            return self.part.wait(handle)
 
     def __getattr__(self, name: str):
         return getattr(self.part, name)
