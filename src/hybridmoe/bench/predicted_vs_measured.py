@@ -13,6 +13,11 @@ op tables right before its steps, and predicts each round from that round's tabl
 step timing. Reported: the median over rounds of the predictions and of the measured times, every round's pair,
 and the predicted time by part of the step.
 
+Stream-loading prefill (`--cases slp`, bench/_slp_case.py): on a small Qwen3-MoE-shaped model, the routed-expert
+half of prefill chunks streamed through the engine's StreamPrefill onto this machine's accelerator (the CPU stand-in
+here), both copy variants, against the planner's SLP schedule (passes._slp_moe_units, schedule.run) fed with the
+copy bandwidth and grouped-matmul rate measured alone in the same round.
+
 One thread for torch and the expert kernels by default (--threads): on a machine shared with other jobs every
 parallel op otherwise waits for a descheduled thread. The JSON rows say the threads and the load average.
 """
@@ -62,6 +67,9 @@ def register(subparsers) -> None:
     p.add_argument("--case-seconds", type=float, default=1.0,
                    help="keep timing a case's steps in a round until this long (default 1 s: fast cases get "
                         "more steps)")
+    p.add_argument("--cases", default="cpu,slp",
+                   help="comma-separated: cpu (CPU decode and prefill steps), slp (stream-loading prefill on the "
+                        "accelerator or its stand-in); default both")
     p.add_argument("--cache", default=None, help="where to build the Qwen3-shaped model (default: user cache)")
     p.add_argument("--threads", type=int, default=1,
                    help="threads for torch and the kernels, tables and engine alike (default 1: stable on a "
@@ -190,7 +198,12 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     isa.configure_threads(args.threads)
     dtype = resolve_dtype("auto")
-    if args.models:
+    cases = {c.strip() for c in args.cases.split(",") if c.strip()}
+    if not cases or cases - {"cpu", "slp"}:
+        raise SystemExit(f"--cases: choose from cpu, slp (got {args.cases!r})")
+    if "cpu" not in cases:
+        models = {}
+    elif args.models:
         models = {Path(d).name: Path(d) for d in args.models.split(",") if d.strip()}
     else:
         models = {"demo": Path(default_model_dir()), f"qwen3-30b-a3b-{args.layers}l":
@@ -223,6 +236,11 @@ def run(args) -> int:
         gc.collect()
     loads.append(os.getloadavg()[0])
     rows = [_row(f"{label} {name}", results, args.threads, loads) for (label, name), results in per_round.items()]
+    if "slp" in cases:
+        from hybridmoe.bench._slp_case import SLP_LAYERS, SLP_SHAPE, slp_rows
+
+        model_dir = qwen_shaped_model(SLP_LAYERS, Path(args.cache) if args.cache else None, SLP_SHAPE)
+        rows += slp_rows(model_dir, dtype, args.rounds, args.threads)
     _print(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

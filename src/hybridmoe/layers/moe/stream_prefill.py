@@ -28,7 +28,9 @@ chunk follows); the planner assumes it is, which costs it one layer's copy per c
 
 On CUDA the copies are issued from a copy thread (host memcpy into staging, then async copies on the copy stream),
 so that the host keeps issuing the layers' compute meanwhile. On the CPU stand-in the copy thread runs each copy
-to completion before `load` returns (streams degrade to synchronous calls), so the trace is deterministic.
+to completion before `load` returns (streams degrade to synchronous calls), so the trace is deterministic; with
+overlap=True the stand-in's copies run on the copy thread while the caller computes, and each compute waits for its
+own layer's copy to finish (how `bench costmodel` measures the overlapped schedule on the stand-in).
 
 `ExpertStreamer` is the mechanism over any list of per-layer `ExpertWeights`; a streamer built over
 `ExpertWeights.subset(owned)` of every layer streams and computes only those experts (expert parallelism: each
@@ -143,13 +145,15 @@ class ExpertStreamer:
     share shapes and dtypes); each may be a subset (`ExpertWeights.subset`) of a layer's experts: ids given to
     `load` and `run` are then indices into that subset. The two slots (each sized for the largest layer) are
     allocated at once on `accel`, in its ledger under `{name}.slot0/1`; `DeviceMemoryError` when over budget.
+    overlap (default: on CUDA only) runs the copies on the copy thread while the caller goes on (module docstring).
     """
 
     def __init__(self, layers: list[ExpertWeights], accel: Accelerator, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 name: str = "slp", slots: int = 2):
+                 name: str = "slp", slots: int = 2, overlap: bool | None = None):
         if not layers:
             raise ValueError("ExpertStreamer needs at least one layer of experts")
         self.layers, self.accel, self.name = layers, accel, name
+        self.overlap = accel.is_cuda if overlap is None else overlap  # copies run while the caller computes
         self.layout = ExpertLayout.of(layers[0])
         for l, w in enumerate(layers):
             self.layout.check(w, f"{name} layer {l}")
@@ -184,7 +188,7 @@ class ExpertStreamer:
             raise ValueError(f"{self.name}: {count} experts do not fit a slot of {self.capacity}")
         slot.layer, slot.experts, slot.pending = layer, experts, True
         slot.copied = self._worker.submit(self._copy, layer, experts, layer % len(self.slots), slot.free)
-        if not self.accel.is_cuda:
+        if not self.overlap:
             slot.copied.result()  # the stand-in: the copy is done when it is issued
 
     def run(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -316,7 +320,7 @@ class StreamPrefill:
     """
 
     def __init__(self, model, accel: Accelerator, min_tokens: int = 1, copy: CopyChoice = "all",
-                 staging_bytes: int = DEFAULT_STAGING_BYTES, name: str = "slp"):
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, name: str = "slp", overlap: bool | None = None):
         if not callable(copy) and copy not in COPY_MODES:
             raise ValueError(f"copy must be one of {', '.join(COPY_MODES)} or a callable, got {copy!r}")
         if min_tokens < 1:
@@ -324,7 +328,8 @@ class StreamPrefill:
         self.blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
         if not self.blocks:
             raise ValueError("the model has no MoE layer: nothing to stream")
-        self.streamer = ExpertStreamer([expert_weights_of(b) for b in self.blocks], accel, staging_bytes, name)
+        self.streamer = ExpertStreamer([expert_weights_of(b) for b in self.blocks], accel, staging_bytes, name,
+                                       overlap=overlap)
         self.copy, self.min_tokens = copy, min_tokens
         self.mode: str | None = None  # the current pass's copy mode
         for index, block in enumerate(self.blocks):

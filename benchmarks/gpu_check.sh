@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The check to run on a lent GPU machine for hybrid execution (issue 44): it installs nothing from the network.
+# It builds the package in place through benchmarks/device_check.sh (its build and info steps only), then writes
+# under $OUT, each step time-boxed, all within DEADLINE seconds:
+#   build.log, info.txt   from device_check.sh (the build; the machine, GPUs and `hybridmoe info`);
+#   tests_gpu.log         the GPU tests: tests named *cuda* under tests/hybrid and tests/accel (the same greedy
+#                         tokens with stream-loading prefill on CUDA as the plain engine, ...), skipped without CUDA;
+#   slp.json, slp.txt     benchmarks/slp_check.py: pinned host->device copy bandwidth; a DeepSeek-V3-shaped slice
+#                         (4 MoE layers of 256 FP8 experts of 7168 x 2048 with block scales, random bytes) streamed
+#                         for a 4096-token chunk: SLP's achieved H2D throughput as a fraction of the pinned
+#                         bandwidth (goal >= 0.90 with compute overlapped), the slice's prefill tok/s (experts
+#                         half) next to the planner's prediction; hybrid decode tok/s of the demo model through the
+#                         engine on CUDA next to its plan's predicted decode tok/s;
+#   costmodel_slp.json    `hybridmoe bench costmodel --cases slp`: the SLP cases predicted vs measured on CUDA.
+# Usage: OUT=/some/dir [PYTHON=python3] [DEADLINE=420] bash benchmarks/gpu_check.sh
+# Host memory: the slice holds one layer of experts (11.3 GB) on the host and two slots (22.5 GB) on the GPU.
+# Exit status: 0 when every step passed, else the number of failed or skipped steps.
+set -uo pipefail
+OUT=${OUT:-/tmp/hybridmoe-gpu-check}
+PYTHON=${PYTHON:-python3}
+DEADLINE=${DEADLINE:-420}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+failed=0
+
+step() {  # step SECONDS LOGFILE COMMAND...: time-boxed, output to $OUT/LOGFILE, its last lines to the screen
+  local seconds=$1 log=$2; shift 2
+  local left=$((DEADLINE - SECONDS))
+  [ $left -lt $seconds ] && seconds=$left
+  if [ $seconds -lt 15 ]; then echo "== $log: $* skipped, ${left}s left"; failed=$((failed + 1)); return; fi
+  echo "== $log: $* (at most ${seconds}s)"
+  local start=$SECONDS
+  timeout "$seconds" "$@" >>"$OUT/$log" 2>&1
+  local status=$?
+  tail -${TAIL:-20} "$OUT/$log"
+  echo "-- $log: status $status after $((SECONDS - start))s"
+  [ $status -eq 0 ] || failed=$((failed + 1))
+}
+
+OUT="$OUT" PYTHON="$PYTHON" STEPS="" DEADLINE=$((DEADLINE / 2)) bash benchmarks/device_check.sh || true
+"$PYTHON" -c "import hybridmoe.kernels._native" 2>/dev/null || { echo "build failed"; exit 99; }
+"$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" ||
+  echo "!! torch sees no CUDA device: the GPU tests skip and the measures run on the CPU stand-in"
+
+TAIL=15 step 180 tests_gpu.log "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/hybrid tests/accel -k cuda
+TAIL=8 step 240 slp.txt "$PYTHON" benchmarks/slp_check.py --json "$OUT/slp.json"
+TAIL=8 step 180 costmodel_slp.txt "$PYTHON" -m hybridmoe.cli bench costmodel --cases slp --rounds 2 \
+  --json "$OUT/costmodel_slp.json"
+echo "gpu_check: $failed step(s) failed or skipped; results in $OUT"
+exit $failed
