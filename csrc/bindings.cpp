@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention.h"
 #include "cpu_features.h"
 #include "moe.h"
 #include "numa.h"
@@ -349,6 +350,107 @@ void matmul(const PyMatrix& w, nb::object x_obj, nb::object out_obj, const std::
   run_sync([=] { run_matmul(m, xp, M, ldx, yp, p, *kt, global_pool()); });
 }
 
+
+AttnType attn_type(const std::string& what, DT d) {
+  if (d == kF32) return AttnType::F32;
+  if (d == kBF16) return AttnType::BF16;
+  if (d == kF16) return AttnType::F16;
+  fail(what, "dtype must be float32, bfloat16 or float16, got " + dtype_name(d));
+}
+
+template <class A>
+void check_nd(const std::string& what, const A& a, size_t ndim) {
+  if (a.device_type() != nb::device::cpu::value) fail(what, "must be on the CPU");
+  if (a.ndim() != ndim) fail(what, "must be " + std::to_string(ndim) + "-D, got shape " + shape_str(a));
+  if (a.shape(ndim - 1) > 1 && a.stride(ndim - 1) != 1) fail(what, "last dim must be contiguous");
+}
+
+// out[s, h] = softmax(q[s, h] . K_s^T * scale) V_s over sequence s's context in the paged cache.
+void decode_attention_py(nb::object q_obj, nb::object k_obj, nb::object v_obj, nb::object bt_obj, nb::object sl_obj,
+                         nb::object out_obj, double scale, int64_t window) {
+  const Array q = nb::cast<Array>(q_obj, false);
+  const Array k = nb::cast<Array>(k_obj, false);
+  const Array v = nb::cast<Array>(v_obj, false);
+  const Array bt = nb::cast<Array>(bt_obj, false);
+  const Array sl = nb::cast<Array>(sl_obj, false);
+  const MutArray out = nb::cast<MutArray>(out_obj, false);
+  check_nd("q", q, 3);
+  check_nd("k_cache", k, 4);
+  check_nd("v_cache", v, 4);
+  check_nd("block_tables", bt, 2);
+  check_nd("seq_lens", sl, 1);
+  check_nd("out", out, 3);
+  DecodeAttnArgs a;
+  a.num_seqs = q.shape(0);
+  a.num_heads = q.shape(1);
+  a.head_dim = q.shape(2);
+  a.num_kv_heads = k.shape(2);
+  a.block_size = k.shape(1);
+  a.v_head_dim = v.shape(3);
+  const int64_t S = a.num_seqs, N = a.num_heads, NB = k.shape(0), MB = bt.shape(1);
+  if (static_cast<int64_t>(k.shape(3)) != a.head_dim)
+    fail("k_cache", "head dim " + std::to_string(k.shape(3)) + " != q's " + std::to_string(a.head_dim));
+  if (v.shape(0) != k.shape(0) || v.shape(1) != k.shape(1) || v.shape(2) != k.shape(2))
+    fail("v_cache", "shape " + shape_str(v) + " does not match k_cache " + shape_str(k) + " in its first 3 dims");
+  if (a.num_kv_heads < 1 || N % a.num_kv_heads)
+    fail("q", std::to_string(N) + " heads is not a multiple of the cache's " + std::to_string(a.num_kv_heads) +
+                  " KV heads");
+  if (a.head_dim < 1 || a.v_head_dim < 1 || a.block_size < 1) fail("k_cache", "empty dims in " + shape_str(k));
+  a.q_type = attn_type("q", q.dtype());
+  a.kv_type = attn_type("k_cache", k.dtype());
+  if (v.dtype() != k.dtype()) fail("v_cache", "dtype " + dtype_name(v.dtype()) + " != k_cache's " + dtype_name(k.dtype()));
+  a.out_type = attn_type("out", out.dtype());
+  if (bt.dtype() != kI32 && bt.dtype() != kI64) fail("block_tables", "dtype must be int32 or int64");
+  if (sl.dtype() != kI32 && sl.dtype() != kI64) fail("seq_lens", "dtype must be int32 or int64");
+  if (static_cast<int64_t>(bt.shape(0)) != S || static_cast<int64_t>(sl.shape(0)) != S)
+    fail("block_tables", "block_tables " + shape_str(bt) + " and seq_lens " + shape_str(sl) + " must have " +
+                             std::to_string(S) + " rows (q's sequences)");
+  if (static_cast<int64_t>(out.shape(0)) != S || static_cast<int64_t>(out.shape(1)) != N ||
+      static_cast<int64_t>(out.shape(2)) != a.v_head_dim)
+    fail("out", "expected shape [" + std::to_string(S) + ", " + std::to_string(N) + ", " +
+                    std::to_string(a.v_head_dim) + "], got " + shape_str(out));
+  std::vector<int64_t> lens(static_cast<size_t>(S));
+  a.block_tables_i32 = bt.dtype() == kI32;
+  a.block_table_stride = bt.stride(0);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t len = sl.dtype() == kI32 ? static_cast<const int32_t*>(sl.data())[s * sl.stride(0)]
+                                           : static_cast<const int64_t*>(sl.data())[s * sl.stride(0)];
+    if (len < 1 || len > MB * a.block_size)
+      fail("seq_lens", "sequence " + std::to_string(s) + ": length " + std::to_string(len) + " outside [1, " +
+                           std::to_string(MB * a.block_size) + "] (block table of " + std::to_string(MB) + " blocks of " +
+                           std::to_string(a.block_size) + ")");
+    lens[s] = len;
+    for (int64_t b = 0; b < (len + a.block_size - 1) / a.block_size; ++b) {
+      const int64_t i = s * a.block_table_stride + b;
+      const int64_t id = a.block_tables_i32 ? static_cast<const int32_t*>(bt.data())[i]
+                                            : static_cast<const int64_t*>(bt.data())[i];
+      if (id < 0 || id >= NB)
+        fail("block_tables", "block " + std::to_string(id) + " at [" + std::to_string(s) + ", " + std::to_string(b) +
+                                 "] is out of range [0, " + std::to_string(NB) + ")");
+    }
+  }
+  a.q = q.data();
+  a.q_stride_seq = q.stride(0);
+  a.q_stride_head = q.stride(1);
+  a.k = k.data();
+  a.k_stride_block = k.stride(0);
+  a.k_stride_token = k.stride(1);
+  a.k_stride_head = k.stride(2);
+  a.v = v.data();
+  a.v_stride_block = v.stride(0);
+  a.v_stride_token = v.stride(1);
+  a.v_stride_head = v.stride(2);
+  a.block_tables = bt.data();
+  a.seq_lens = lens.data();
+  a.out = out.data();
+  a.out_stride_seq = out.stride(0);
+  a.out_stride_head = out.stride(1);
+  a.scale = static_cast<float>(scale);
+  a.window = window > 0 ? window : 0;
+  if (S == 0) return;
+  const KernelTable* kt = active_kernels();
+  run_sync([&a, kt] { decode_attention(a, *kt, global_pool()); });
+}
 }  // namespace
 }  // namespace hm
 
@@ -423,6 +525,11 @@ NB_MODULE(_native, mod) {
            "hidden"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "path"_a = "auto",
            "submit + wait in one (blocking; on the calling thread when no submitted job is pending).");
 
+  mod.def("decode_attention", &decode_attention_py, "q"_a, "k_cache"_a, "v_cache"_a, "block_tables"_a, "seq_lens"_a,
+          "out"_a, "scale"_a, "window"_a = 0,
+          "Paged decode attention (one query per sequence, blocking): out[s, h] = softmax(q[s, h] . K^T * scale) V "
+          "over sequence s's first seq_lens[s] keys, read through block_tables[s] from k_cache / v_cache [num_blocks, "
+          "block_size, Nk, D / Dv]; query head h reads KV head h // (N / Nk); window > 0: only the last `window` keys.");
   mod.def("matmul", &matmul, "w"_a, "x"_a, "out"_a, "path"_a = "auto", "out[M, N] = x[M, K] @ W^T (blocking).");
   mod.def("quantize_rows", [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x, int64_t padded,
                               int group) {

@@ -76,3 +76,24 @@ def moe_reference(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         h = silu(x[token] @ gate.T) * (x[token] @ up.T)  # [n, I]
         out.index_add_(0, token, (h @ down.T) * topk_weights[token, slot].double()[:, None])
     return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens, scale: float, window: int | None = None) -> torch.Tensor:
+    """Float64 reference of kernels.attention.decode_attention: q [S, N, D], caches [NB, BS, Nk, D / Dv] -> [S, N, Dv].
+    Gathers each sequence's context and repeats its KV heads, the plain way."""
+    num_seqs, num_heads, _ = q.shape
+    block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(num_seqs, num_heads, v_cache.shape[-1], dtype=torch.float64)
+    for s in range(num_seqs):
+        ctx = int(seq_lens[s])
+        blocks = block_tables[s, : -(-ctx // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:ctx].double()  # [C, Nk, D]
+        v = v_cache[blocks].flatten(0, 1)[:ctx].double()  # [C, Nk, Dv]
+        if window:
+            k, v = k[-window:], v[-window:]
+        k = k.repeat_interleave(num_heads // num_kv, dim=1)  # [C, N, D]
+        v = v.repeat_interleave(num_heads // num_kv, dim=1)
+        scores = torch.einsum("nd,cnd->nc", q[s].double(), k) * scale
+        out[s] = torch.einsum("nc,cnv->nv", torch.softmax(scores, dim=-1), v)
+    return out
