@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridmoe.accel.accelerator import Accelerator
 from hybridmoe.layers.moe.backend import ExpertWeights
 from hybridmoe.layers.moe.torch_backend import TorchExpertBackend
 from hybridmoe.parallel.exchange import message_bytes, split_by_owner
 from hybridmoe.parallel.ownership import owned_experts, owner_tables
-from hybridmoe.parallel.share import compute_share
+from hybridmoe.parallel.share import ShareStreamer
 
 
 def test_every_expert_has_exactly_one_owner_and_its_local_index():
@@ -34,29 +35,40 @@ def _layer(num_experts=8, hidden=16, inter=12, seed=0) -> ExpertWeights:
                          [rand(hidden, inter) for _ in range(num_experts)])
 
 
+@pytest.mark.parametrize("copy", ["all", "activated"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_the_ranks_partial_outputs_sum_to_the_layers_output(world):
-    weights, tokens, top_k = _layer(), 20, 3
+def test_the_ranks_streamed_partial_outputs_sum_to_the_layers_output(world, copy):
+    """Each rank streams its share of two layers (ShareStreamer) and computes its tokens; the sum is the layer's."""
+    layers, tokens, top_k = {1: _layer(seed=1), 3: _layer(seed=3)}, 20, 3
     gen = torch.Generator().manual_seed(1)
-    hidden = torch.randn(tokens, 16, generator=gen)
-    ids = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(tokens)])  # [T, K] distinct
-    ids[0] = torch.tensor([5, 6, 7])  # token 0 only on the last rank's experts: no other worker gets it
-    topk_weights = torch.rand(tokens, top_k, generator=gen)
-    whole = TorchExpertBackend(weights).submit(hidden, ids, topk_weights)
     owner, local = owner_tables(8, world)
-    parts = split_by_owner(ids, topk_weights, owner, local, world)
-    assert parts[0].rows.tolist() == list(range(tokens))  # rank 0 keeps every row
-    pairs = sum(int((p.local_ids >= 0).sum()) for p in parts)
-    assert pairs == tokens * top_k  # every (token, expert) pair goes to exactly one rank
-    assert [0 in p.rows.tolist() for p in parts[1:]] == [r == world - 1 for r in range(1, world)]
-    out = torch.zeros_like(hidden)
-    for p in parts:
-        mine = TorchExpertBackend(weights.subset(list(owned_experts(8, world, p.rank))))
-        assert ((p.local_ids >= 0).any(dim=1) | (p.rank == 0)).all()  # a worker gets only tokens it computes for
-        out.index_add_(0, p.rows, compute_share(mine, hidden[p.rows], p.local_ids, p.weights))
-    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-6)
+    shares = [ShareStreamer({l: w.subset(list(owned_experts(8, world, r))) for l, w in layers.items()},
+                            Accelerator("cpu"), staging_bytes=1 << 16, name=f"ep{r}") for r in range(world)]
+    for layer, weights in layers.items():  # one pass, in model order
+        hidden = torch.randn(tokens, 16, generator=gen)
+        ids = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(tokens)])  # [T, K] distinct
+        ids[0] = torch.tensor([5, 6, 7])  # token 0 only on the last rank's experts: no other worker gets it
+        topk_weights = torch.rand(tokens, top_k, generator=gen)
+        whole = TorchExpertBackend(weights).submit(hidden, ids, topk_weights)
+        parts = split_by_owner(ids, topk_weights, owner, local, world)
+        assert parts[0].rows.tolist() == list(range(tokens))  # rank 0 keeps every row
+        pairs = sum(int((p.local_ids >= 0).sum()) for p in parts)
+        assert pairs == tokens * top_k  # every (token, expert) pair goes to exactly one rank
+        assert [0 in p.rows.tolist() for p in parts[1:]] == [r == world - 1 for r in range(1, world)]
+        out = torch.zeros_like(hidden)
+        for p in parts:
+            assert ((p.local_ids >= 0).any(dim=1) | (p.rank == 0)).all()  # a worker gets only tokens it computes
+            out.index_add_(0, p.rows, shares[p.rank].run(layer, hidden[p.rows], p.local_ids, p.weights, copy))
+        torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-6)
+    for rank, share in enumerate(shares):
+        stats = share.stats()
+        assert stats.passes == 1 and stats.layers_copied == 2
+        per_expert = layers[1].expert_bytes(0)
+        owned = len(owned_experts(8, world, rank))
+        assert stats.bytes <= 2 * owned * per_expert and (copy == "activated" or stats.bytes == 2 * owned * per_expert)
+        share.close()
 
 
 def test_message_bytes_count_both_directions():
     assert message_bytes(0, 64, 2, torch.float32) == 0
-    assert message_bytes(10, 64, 2, torch.float32) == 32 + 10 * (2 * 64 * 4 + 2 * 8)
+    assert message_bytes(10, 64, 2, torch.float32) == 5 * 8 + 10 * (2 * 64 * 4 + 2 * 8)  # header, then data

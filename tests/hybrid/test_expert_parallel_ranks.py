@@ -62,24 +62,32 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "mixtral"])
-def test_two_ranks_give_the_same_greedy_tokens_as_the_plain_engine(model_dirs, model_type):
+@pytest.mark.parametrize("model_type, copy", [("deepseek_v3", "all"), ("qwen3_moe", "activated"),
+                                              ("mixtral", "all")])
+def test_two_ranks_give_the_same_greedy_tokens_as_the_plain_engine(model_dirs, model_type, copy):
+    """copy "all" streams each rank's whole share of every layer, "activated" only the experts its tokens chose."""
     model_dir = model_dirs[model_type]
     plain = [r.token_ids for r in LLM(model_dir, dtype="float32").generate(_prompts(), GREEDY)]
     llm = LLM(model_dir, dtype="float32")
-    ep = attach_expert_parallel(llm.engine.model, model_dir, 2, min_tokens=MIN_TOKENS, timeout_s=60, threads=1)
+    ep = attach_expert_parallel(llm.engine.model, model_dir, 2, min_tokens=MIN_TOKENS, copy=copy, timeout_s=60,
+                                threads=1, staging_bytes=1 << 20)
     pids = list(ep.group.pids.values())
     try:
         assert all(map(_running, pids)) and os.getpid() not in pids
-        local = next(iter(ep.backends.values())).local
-        assert local.w.num_experts == llm.engine.model.config.moe.num_experts // 2  # rank 0 holds its half
+        config = llm.engine.model.config
+        share = ep.local.streamer.layers[0]
+        assert share.num_experts == config.moe.num_experts // 2  # rank 0 streams its half
         if model_type == "deepseek_v3":
-            assert local.w.fmt == "fp8"  # rank 0's share kept as the FP8 bytes (the worker loads the same way)
+            assert share.fmt == "fp8"  # streamed as the FP8 bytes the CPU kernels read (the worker maps the same)
         results = llm.generate(_prompts(), GREEDY)
         assert [r.error for r in results] == [None] * 3
         assert [r.token_ids for r in results] == plain
-        # the prompts' chunk went over both ranks: the worker got tokens at every MoE layer
+        # the prompts' chunk went over both ranks: the worker got tokens, and each rank streamed its share
         assert ep.stats.calls == len(ep.backends) and ep.stats.tokens_sent[1] > 0
+        whole_share = share.nbytes() * len(ep.backends)  # every MoE layer's half (same shapes in every layer)
+        for stats in ep.stream_stats():
+            assert stats.passes == 1 and 0 < stats.bytes <= whole_share
+            assert (stats.bytes == whole_share) == (copy == "all")  # 16 experts, 39 tokens: some left unactivated
     finally:
         ep.close()
     assert not any(map(_running, pids))

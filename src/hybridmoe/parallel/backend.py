@@ -1,10 +1,11 @@
 """`ExpertParallelBackend`: one MoE layer's routed experts computed by all ranks, as an ExpertBackend.
 
 submit(hidden [T, H], topk_ids [T, K], topk_weights [T, K]) sends each worker the tokens that route to its experts
-(exchange.py), posts the receive of its partial output, then computes rank 0's own share; wait() receives the
-workers' outputs (each bounded by the group's timeout) and adds them into the tokens' rows. The MoE block runs the
-shared experts between the two calls, while the workers compute. Rank 0's share runs where its weights live
-(the engine's accelerator) and the result comes back on hidden's device and dtype.
+(exchange.py), posts the receive of its partial output, then streams and computes rank 0's own share on the
+engine's accelerator (share.ShareStreamer); wait() receives the workers' outputs (each bounded by the group's
+timeout) and adds them into the tokens' rows. The MoE block runs the shared experts between the two calls, while
+the workers compute. The result comes back on hidden's device and dtype. The copy mode ("all" or "activated") is
+chosen per chunk at its first MoE layer and sent to the workers with every layer's header.
 
 Legend: T tokens, H hidden, K top-k, n tokens sent to one rank.
 """
@@ -16,12 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridmoe.layers.moe.backend import ExpertBackend
+from collections.abc import Callable
+
 from hybridmoe.parallel.exchange import (OP_COMPUTE, TAG_HEADER, TAG_HIDDEN, TAG_IDS, TAG_OUTPUT, TAG_WEIGHTS,
                                          Dispatch, header, message_bytes, split_by_owner)
 from hybridmoe.parallel.group import RankGroup
 from hybridmoe.parallel.ownership import owner_tables
-from hybridmoe.parallel.share import compute_share
+from hybridmoe.parallel.share import ShareStreamer
 
 
 @dataclass
@@ -35,6 +37,16 @@ class ExchangeStats:
 
 
 @dataclass
+class ChunkCopy:
+    """The copy mode of the chunk in flight, chosen at its first MoE layer: `choose(tokens) -> "all" |
+    "activated"`, shared by a model's layers."""
+
+    choose: Callable[[int], str]
+    first_layer: int
+    mode: str = "all"
+
+
+@dataclass
 class _Pending:
     dispatch: Dispatch
     out: torch.Tensor  # [n, H] receive buffer
@@ -43,9 +55,9 @@ class _Pending:
 
 
 class ExpertParallelBackend:
-    def __init__(self, group: RankGroup, layer: int, num_experts: int, local: ExpertBackend,
-                 local_device: torch.device, stats: ExchangeStats | None = None):
-        self.group, self.layer, self.local, self.local_device = group, layer, local, local_device
+    def __init__(self, group: RankGroup, layer: int, num_experts: int, local: ShareStreamer,
+                 local_device: torch.device, copy: ChunkCopy, stats: ExchangeStats | None = None):
+        self.group, self.layer, self.local, self.local_device, self.copy = group, layer, local, local_device, copy
         self.owner, self.local_index = owner_tables(num_experts, group.world_size)
         self.stats = stats if stats is not None else ExchangeStats()
         self.comm = local_device if group.backend == "nccl" else torch.device("cpu")
@@ -54,6 +66,8 @@ class ExpertParallelBackend:
     def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         self.group.check()
         top_k = topk_ids.shape[1]
+        if self.layer == self.copy.first_layer:
+            self.copy.mode = self.copy.choose(hidden.shape[0])
         parts = split_by_owner(topk_ids.cpu(), topk_weights.cpu(), self.owner, self.local_index,
                                self.group.world_size)
         pending = []
@@ -62,8 +76,8 @@ class ExpertParallelBackend:
         self.stats.calls += 1
         self.stats.tokens += hidden.shape[0]
         mine = parts[0]
-        out = compute_share(self.local, hidden.to(self.local_device), mine.local_ids.to(self.local_device),
-                            mine.weights.to(self.local_device))  # [T, H]
+        out = self.local.run(self.layer, hidden.to(self.local_device), mine.local_ids.to(self.local_device),
+                             mine.weights.to(self.local_device), self.copy.mode)  # [T, H]
         return hidden, out, pending
 
     def wait(self, handle) -> torch.Tensor:
@@ -79,7 +93,7 @@ class ExpertParallelBackend:
 
     def _send(self, part: Dispatch, hidden: torch.Tensor, top_k: int) -> _Pending:
         pg, rank, n = self.group.pg, part.rank, part.num_tokens
-        tensors = [(header(OP_COMPUTE, self.layer, n, top_k).to(self.comm), TAG_HEADER)]
+        tensors = [(header(OP_COMPUTE, self.layer, n, top_k, self.copy.mode).to(self.comm), TAG_HEADER)]
         if n:
             tensors += [(hidden[part.rows.to(hidden.device)].to(self.comm).contiguous(), TAG_HIDDEN),
                         (part.local_ids.to(self.comm), TAG_IDS), (part.weights.to(self.comm), TAG_WEIGHTS)]

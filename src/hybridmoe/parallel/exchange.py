@@ -4,13 +4,15 @@ gloo (the CPU stand-in's backend) has no all-to-all with uneven splits, and rank
 tokens (it runs attention; the workers hold experts only), so the exchange is a star of sends and receives, sizes
 first. Per MoE layer of a prefill chunk and per worker that owns at least one of the chunk's chosen experts:
 
-    rank 0 -> worker  header int64 [4] = (OP_COMPUTE, layer, n, K)     sizes first
+    rank 0 -> worker  header int64 [5] = (OP_COMPUTE, layer, n, K, copy mode)   sizes first
     rank 0 -> worker  hidden [n, H] (compute dtype)                     the n tokens that route to its experts
     rank 0 -> worker  local ids int32 [n, K] (-1: another rank's expert) and weights float32 [n, K]
     worker -> rank 0  partial output [n, H] (compute dtype)             summed into those tokens' rows
 
 A worker that owns none of the experts the layer's tokens chose gets the header alone (n = 0) and sends nothing
-back: every worker sees every layer of a chunk, in order. Shutdown is a header with OP_STOP.
+back: every worker sees every layer of a chunk, in order, and streams its share of each (share.ShareStreamer,
+with the copy mode rank 0 chose for the chunk). OP_STATS asks a worker for its streaming figures (float64 [4]:
+passes, bytes copied, copy seconds, bytes of the last pass); OP_STOP ends it.
 Each kind of message has its own tag, and messages between two ranks arrive in the order they were sent.
 
 Bytes per layer and worker: n * (2 H * dtype bytes + 8 K); n = the tokens with at least one expert on that worker
@@ -26,8 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-OP_STOP, OP_COMPUTE = 0, 1
-TAG_HEADER, TAG_HIDDEN, TAG_IDS, TAG_WEIGHTS, TAG_OUTPUT = 1, 2, 3, 4, 5
+OP_STOP, OP_COMPUTE, OP_STATS = 0, 1, 2
+TAG_HEADER, TAG_HIDDEN, TAG_IDS, TAG_WEIGHTS, TAG_OUTPUT, TAG_STATS = 1, 2, 3, 4, 5, 6
+COPY_CODES = ("all", "activated")  # the copy mode's code in a header
+HEADER_SIZE = 5
 
 
 @dataclass
@@ -60,8 +64,8 @@ def split_by_owner(topk_ids: torch.Tensor, topk_weights: torch.Tensor, owner: to
     return out
 
 
-def header(op: int, layer: int = 0, num_tokens: int = 0, top_k: int = 0) -> torch.Tensor:
-    return torch.tensor([op, layer, num_tokens, top_k], dtype=torch.int64)
+def header(op: int, layer: int = 0, num_tokens: int = 0, top_k: int = 0, copy: str = "all") -> torch.Tensor:
+    return torch.tensor([op, layer, num_tokens, top_k, COPY_CODES.index(copy)], dtype=torch.int64)
 
 
 def message_bytes(num_tokens: int, hidden: int, top_k: int, dtype: torch.dtype) -> int:
@@ -69,4 +73,4 @@ def message_bytes(num_tokens: int, hidden: int, top_k: int, dtype: torch.dtype) 
     if num_tokens == 0:
         return 0
     item = torch.empty((), dtype=dtype).element_size()
-    return 4 * 8 + num_tokens * (2 * hidden * item + top_k * 8)
+    return HEADER_SIZE * 8 + num_tokens * (2 * hidden * item + top_k * 8)

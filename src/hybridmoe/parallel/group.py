@@ -46,7 +46,7 @@ class RankFailedError(RuntimeError):
 class RankGroup:
     def __init__(self, model_dir: str | Path, world_size: int, dtype: torch.dtype, device_kind: str = "cpu",
                  timeout_s: float = 300.0, threads: int | None = None, budget_bytes: int | None = None,
-                 startup_timeout_s: float = STARTUP_TIMEOUT_S):
+                 staging_bytes: int = 64 << 20, startup_timeout_s: float = STARTUP_TIMEOUT_S):
         if world_size < 2:
             raise ValueError(f"a rank group needs at least 2 ranks, got {world_size}")
         if device_kind not in ("cpu", "cuda"):
@@ -65,7 +65,7 @@ class RankGroup:
                        "--world-size", str(world_size), "--port", str(state.store.port), "--prefix", prefix,
                        "--model", str(model_dir), "--dtype", dtype_name, "--device", device_kind,
                        "--timeout", str(timeout_s), "--startup-timeout", str(startup_timeout_s),
-                       "--parent", str(os.getpid())]
+                       "--parent", str(os.getpid()), "--staging", str(staging_bytes)]
             if threads is not None:
                 command += ["--threads", str(threads)]
             if budget_bytes is not None:
@@ -187,10 +187,11 @@ class _State:
                         self.pg.send([header(OP_STOP)], rank, TAG_HEADER).wait(datetime.timedelta(seconds=5))
                     except RuntimeError:
                         pass
-        deadline = time.monotonic() + STOP_WAIT_S
+        stopped = self.pg is not None and self.failure is None  # the workers were told to stop: let them exit
+        deadline = time.monotonic() + (STOP_WAIT_S if stopped else 0.0)
         for proc in self.procs.values():
             try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()) if self.pg is not None else 0.0)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         for proc in self.procs.values():  # a failed group's workers may hang: killed at once

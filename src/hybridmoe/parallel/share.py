@@ -1,5 +1,8 @@
-"""A rank's share of the routed experts: loaded from the memory-mapped checkpoint (only its experts' tensors are
-touched), placed on the rank's accelerator, and computed for the (token, expert) pairs routed to them.
+"""A rank's share of the routed experts: its experts of every MoE layer (views of the memory-mapped checkpoint:
+only their tensors are ever touched), streamed into the rank's accelerator by stream-loading prefill's
+`ExpertStreamer` (layers/moe/stream_prefill.py: two device slots, a copy stream, whole layers prefetched one layer
+ahead or the chunk's activated experts once routed) and computed there as a grouped matmul over the tokens sent to
+the rank.
 
 Legend: n tokens sent to the rank, H hidden, K top-k, A (token, owned expert) pairs.
 """
@@ -13,8 +16,9 @@ import torch
 from hybridmoe.accel.accelerator import Accelerator
 from hybridmoe.checkpoint.safetensors_reader import CheckpointReader
 from hybridmoe.config import ModelConfig, family_of
-from hybridmoe.layers.moe.backend import ExpertBackend, ExpertWeights
-from hybridmoe.layers.moe.torch_backend import TorchExpertBackend
+from hybridmoe.layers.moe.backend import ExpertWeights
+from hybridmoe.layers.moe.staging import DEFAULT_STAGING_BYTES
+from hybridmoe.layers.moe.stream_prefill import COPY_MODES, ExpertStreamer, StreamStats
 from hybridmoe.models.weight_loader import WeightLoader
 from hybridmoe.parallel.ownership import owned_experts
 
@@ -26,39 +30,61 @@ def expert_names(config: ModelConfig, layer: int, experts: range) -> list[tuple[
     return [tuple(f"{prefix}{e}.{p}.weight" for p in names.expert_projections) for e in experts]
 
 
-def load_share(model_dir: str | Path, config: ModelConfig, rank: int, world_size: int, dtype: torch.dtype,
-               accel: Accelerator) -> dict[int, ExpertBackend]:
-    """Per MoE decoder layer, a backend over this rank's experts placed on `accel` (counted in its ledger as
-    "ep.experts.<layer>"). Nothing else of the checkpoint is read."""
+def load_share(model_dir: str | Path, config: ModelConfig, rank: int, world_size: int,
+               dtype: torch.dtype) -> dict[int, ExpertWeights]:
+    """Decoder layer -> this rank's experts of that MoE layer, as stored (zero-copy views of the checkpoint)."""
     loader = WeightLoader(CheckpointReader(model_dir), config, dtype, show_progress=False)
     moe = config.moe
-    share = {}
-    for layer, is_moe in enumerate(config.moe_layers):
-        if not is_moe:
-            continue
-        mine = owned_experts(moe.num_experts, world_size, rank)
-        weights = loader.experts(expert_names(config, layer, mine), moe.intermediate_size, config.hidden_size)
-        share[layer] = TorchExpertBackend(weights.to_device(accel, f"ep.experts.{layer}"))
+    mine = owned_experts(moe.num_experts, world_size, rank)
+    share = {layer: loader.experts(expert_names(config, layer, mine), moe.intermediate_size, config.hidden_size)
+             for layer, is_moe in enumerate(config.moe_layers) if is_moe}
     loader.close()
     return share
 
 
-def placed_share(experts: ExpertWeights, num_experts: int, rank: int, world_size: int, accel: Accelerator,
-                 layer: int) -> ExpertBackend:
-    """Rank 0's share of a layer from the experts the engine already loaded, placed on `accel`."""
-    mine = owned_experts(num_experts, world_size, rank)
-    return TorchExpertBackend(experts.subset(list(mine)).to_device(accel, f"ep.experts.{layer}"))
+class ShareStreamer:
+    """One rank's share of every MoE layer, streamed and computed layer by layer through a chunk's pass.
 
+    run(layer, ...) is called for every MoE layer of a chunk in model order (a worker gets every layer's message,
+    with or without tokens): the first MoE layer starts a pass (with copy "all" the first two layers are issued at
+    once; a layer out of that order starts a pass there); copy "all" issues layer l + 2 into the slot layer l just
+    used; copy "activated" issues the experts the rank's tokens chose once they are known.
+    """
 
-def compute_share(backend: ExpertBackend, hidden: torch.Tensor, local_ids: torch.Tensor,
-                  weights: torch.Tensor) -> torch.Tensor:
-    """hidden [n, H], local_ids [n, K] (this rank's expert index, -1 for an expert another rank owns), weights
-    [n, K] -> [n, H]: sum over the token's owned experts of weight * expert(hidden), zeros where it owns none."""
-    token_of, slot = (local_ids >= 0).nonzero(as_tuple=True)  # [A], [A]
-    out = torch.zeros_like(hidden)
-    if token_of.numel() == 0:
-        return out
-    ids = local_ids[token_of, slot].long()[:, None]  # [A, 1]
-    w = weights[token_of, slot].float()[:, None]  # [A, 1]
-    partial = backend.wait(backend.submit(hidden[token_of], ids, w))  # [A, H]
-    return out.index_add_(0, token_of, partial.to(hidden.dtype))
+    def __init__(self, layers: dict[int, ExpertWeights], accel: Accelerator,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, name: str = "ep"):
+        self.order = sorted(layers)
+        self.position = {layer: p for p, layer in enumerate(self.order)}
+        self.streamer = ExpertStreamer([layers[l] for l in self.order], accel, staging_bytes, name)
+        self.mode = "all"
+        self.expected = 0  # the position the pass reaches next
+
+    def run(self, layer: int, hidden: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor,
+            mode: str = "all") -> torch.Tensor:
+        """hidden [n, H], local_ids [n, K] (this rank's expert index, -1 for another rank's expert), weights [n, K]
+        -> [n, H]: per token, the sum over its experts on this rank of weight * expert(hidden)."""
+        streamer, position = self.streamer, self.position[layer]
+        ahead = len(streamer.slots)
+        if position == 0 or position != self.expected:  # a new pass (or one resumed where an earlier one broke off)
+            if mode not in COPY_MODES:
+                raise ValueError(f"copy mode must be one of {', '.join(COPY_MODES)}, got {mode!r}")
+            self.mode = mode
+            streamer.begin_pass()
+            if mode == "all":
+                for first in range(position, min(position + ahead, len(self.order))):
+                    streamer.load(first)
+        self.expected = position + 1
+        token_of, slot = (local_ids >= 0).nonzero(as_tuple=True)  # [A], [A]
+        ids = local_ids[token_of, slot].long()[:, None]  # [A, 1]
+        if self.mode == "activated":
+            streamer.load(position, torch.unique(ids).tolist())
+        partial = streamer.run(position, hidden[token_of], ids, weights[token_of, slot].float()[:, None])  # [A, H]
+        if self.mode == "all" and position + ahead < len(self.order):
+            streamer.load(position + ahead)
+        return torch.zeros_like(hidden).index_add_(0, token_of, partial.to(hidden.dtype))
+
+    def stats(self) -> StreamStats:
+        return self.streamer.stats()
+
+    def close(self) -> None:
+        self.streamer.close()

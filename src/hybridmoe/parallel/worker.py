@@ -1,7 +1,7 @@
-"""A worker rank (`python -m hybridmoe.parallel.worker`, started by group.RankGroup): it loads its share of every
-MoE layer's routed experts onto its accelerator, joins the process group, then serves dispatches from rank 0
-(exchange.py) until told to stop. It exits by itself when its engine process is gone (a parent watchdog; a closed
-connection also ends a pending receive).
+"""A worker rank (`python -m hybridmoe.parallel.worker`, started by group.RankGroup): it maps its share of every
+MoE layer's routed experts (views of the memory-mapped checkpoint), joins the process group, then serves rank 0's
+dispatches (exchange.py), streaming its share of each layer into its accelerator, until told to stop. It exits by
+itself when its engine process is gone (a parent watchdog; a closed connection also ends a pending receive).
 
 Legend: n tokens sent to this rank, H hidden, K top-k.
 """
@@ -19,8 +19,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from hybridmoe.parallel.exchange import (OP_COMPUTE, OP_STOP, TAG_HEADER, TAG_HIDDEN, TAG_IDS, TAG_OUTPUT,
-                                         TAG_WEIGHTS)
+from hybridmoe.parallel.exchange import (COPY_CODES, HEADER_SIZE, OP_COMPUTE, OP_STATS, OP_STOP, TAG_HEADER,
+                                         TAG_HIDDEN, TAG_IDS, TAG_OUTPUT, TAG_STATS, TAG_WEIGHTS)
 
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # between prefills a worker waits for its next header indefinitely
 
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent", type=int, required=True)
     p.add_argument("--threads", type=int)
     p.add_argument("--budget", type=int)
+    p.add_argument("--staging", type=int, required=True)
     args = p.parse_args(argv)
     _watch_parent(args.parent)
     if args.threads:
@@ -52,46 +53,56 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     store.set(f"{args.prefix}loaded/{args.rank}", "1")
     pg = _process_group(args, dist.PrefixStore(args.prefix, store), IDLE_TIMEOUT)
-    serve(pg, share, hidden_size, accel.device, getattr(torch, args.dtype), datetime.timedelta(seconds=args.timeout))
+    try:
+        serve(pg, share, hidden_size, accel.device, getattr(torch, args.dtype),
+              datetime.timedelta(seconds=args.timeout))
+    finally:
+        share.close()
     return 0
 
 
-def serve(pg, share: dict, hidden_size: int, device: torch.device, dtype: torch.dtype,
+def serve(pg, share, hidden_size: int, device: torch.device, dtype: torch.dtype,
           timeout: datetime.timedelta) -> None:
-    """Answer rank 0's dispatches until OP_STOP: receive the tokens, compute this rank's experts, send back."""
-    from hybridmoe.parallel.share import compute_share
-
+    """Answer rank 0's dispatches until OP_STOP: receive the tokens, stream and compute this rank's experts of the
+    layer (share: a ShareStreamer), send the partial output back."""
     comm = device if pg.name().lower() == "nccl" else torch.device("cpu")
     while True:
-        head = torch.empty(4, dtype=torch.int64, device=comm)
+        head = torch.empty(HEADER_SIZE, dtype=torch.int64, device=comm)
         pg.recv([head], 0, TAG_HEADER).wait(IDLE_TIMEOUT)
-        op, layer, n, top_k = head.tolist()
+        op, layer, n, top_k, copy = head.tolist()
         if op == OP_STOP:
             return
+        if op == OP_STATS:
+            s = share.stats()
+            figures = [s.passes, s.bytes, s.copy_s, s.last_pass_bytes]
+            pg.send([torch.tensor(figures, dtype=torch.float64, device=comm)], 0, TAG_STATS).wait(timeout)
+            continue
         if op != OP_COMPUTE:
             raise RuntimeError(f"unknown message {op} from rank 0")
-        if n == 0:  # none of this layer's tokens chose this rank's experts
-            continue
         hidden = torch.empty(n, hidden_size, dtype=dtype, device=comm)
         ids = torch.empty(n, top_k, dtype=torch.int32, device=comm)
         weights = torch.empty(n, top_k, dtype=torch.float32, device=comm)
-        for tensor, tag in ((hidden, TAG_HIDDEN), (ids, TAG_IDS), (weights, TAG_WEIGHTS)):
-            pg.recv([tensor], 0, tag).wait(timeout)
-        out = compute_share(share[layer], hidden.to(device), ids.to(device), weights.to(device))
-        pg.send([out.to(comm)], 0, TAG_OUTPUT).wait(timeout)
+        if n:
+            for tensor, tag in ((hidden, TAG_HIDDEN), (ids, TAG_IDS), (weights, TAG_WEIGHTS)):
+                pg.recv([tensor], 0, tag).wait(timeout)
+        # every layer runs, with or without tokens: the streamer's pass goes through the layers in order
+        out = share.run(layer, hidden.to(device), ids.to(device), weights.to(device), COPY_CODES[copy])
+        if n:
+            pg.send([out.to(comm)], 0, TAG_OUTPUT).wait(timeout)
 
 
 def _load(args):
     from hybridmoe.accel.accelerator import select_accelerator
     from hybridmoe.config import load_config
-    from hybridmoe.parallel.share import load_share
+    from hybridmoe.parallel.share import ShareStreamer, load_share
 
     device = f"cuda:{args.rank}" if args.device == "cuda" else "cpu"
     if args.device == "cuda":
         torch.cuda.set_device(args.rank)
     accel = select_accelerator(device, args.budget)
     config = load_config(args.model)
-    share = load_share(args.model, config, args.rank, args.world_size, getattr(torch, args.dtype), accel)
+    layers = load_share(args.model, config, args.rank, args.world_size, getattr(torch, args.dtype))
+    share = ShareStreamer(layers, accel, args.staging, f"ep{args.rank}")
     return share, accel, config.hidden_size
 
 
