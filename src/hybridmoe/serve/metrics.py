@@ -14,6 +14,15 @@ From the engine's scheduler, read at each scrape (`SchedulerStats`):
   hybridmoe:prefix_cache_queries_total, hybridmoe:prefix_cache_hits_total (tokens), and
   hybridmoe:prefix_cache_hit_rate (hits / queries since the start)   counters, gauge
   hybridmoe:num_preemptions_total, hybridmoe:computed_tokens_total   counters
+From the engine's RunStats (what ran where, docs/hybrid.md), read at each scrape once the model is loaded:
+  hybridmoe:accelerator_bytes{kind="attention"|"kv cache"|"router"|"shared"|"dense"|"lm_head"|"hot experts"|...}
+  and hybridmoe:accelerator_peak_bytes                                gauges: bytes held on the accelerator
+  hybridmoe:engine_steps_total{phase="prefill"|"decode"}, hybridmoe:engine_step_seconds_total{phase},
+  hybridmoe:accelerator_seconds_total{phase}, hybridmoe:cpu_experts_seconds_total{phase} (submit until the CPU
+  kernels' result is in hand), hybridmoe:cpu_experts_wait_seconds_total{phase} (of that, time the forward waited),
+  hybridmoe:expert_assignments_total{phase, where="cpu"|"accelerator"}   counters (per step: divide by steps)
+  hybridmoe:streamed_bytes_total{phase}, hybridmoe:stream_copy_seconds_total{phase}   counters: stream-loading
+  prefill's copies (achieved GB/s = bytes / seconds), and hybridmoe:stream_copy_gbs (over all so far)   gauge
 Every series carries the label model_name. One registry per server, so several servers live in one process.
 """
 
@@ -25,6 +34,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from hybridmoe.accel.stats import RunStats
 from hybridmoe.runtime.engine import RequestOutput
 from hybridmoe.runtime.scheduler import SchedulerStats
 
@@ -40,8 +50,10 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats | None]):
-        """stats: the engine's latest SchedulerStats (None while the model loads)."""
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats | None],
+                 run_stats: Callable[[], RunStats | None] | None = None):
+        """stats: the engine's latest SchedulerStats (None while the model loads); run_stats: the engine's RunStats
+        (None while it loads)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels, reg = ["model_name"], self.registry
@@ -60,6 +72,8 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort", "error"):  # present at 0 from the start
             self._outcomes.labels(model_name, reason)
         reg.register(_SchedulerCollector(model_name, stats))
+        if run_stats is not None:
+            reg.register(_RunStatsCollector(model_name, run_stats))
 
     def on_request_finished(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -112,3 +126,50 @@ class _SchedulerCollector:
         yield family(CounterMetricFamily, "num_preemptions", "Requests preempted for KV blocks",
                      stats.num_preemptions)
         yield family(CounterMetricFamily, "computed_tokens", "Tokens the model computed", stats.computed_tokens)
+
+
+class _RunStatsCollector:
+    """Reads the engine's RunStats (what ran where) at each scrape."""
+
+    def __init__(self, model_name: str, run_stats: Callable[[], RunStats | None]):
+        self.model_name, self.run_stats = model_name, run_stats
+
+    def collect(self):
+        stats = self.run_stats()
+        if stats is None:
+            return
+        name = self.model_name
+        held = GaugeMetricFamily(PREFIX + "accelerator_bytes", "Bytes held on the accelerator, by kind",
+                                 labels=["model_name", "kind"])
+        for kind, nbytes in sorted(stats.device_bytes_by_kind().items()):
+            held.add_metric([name, kind], nbytes)
+        yield held
+        peak = GaugeMetricFamily(PREFIX + "accelerator_peak_bytes", "Most bytes held on the accelerator at once",
+                                 labels=["model_name"])
+        peak.add_metric([name], getattr(stats.ledger, "peak", 0))
+        yield peak
+        per_phase = (("engine_steps", "Engine steps", "steps"),
+                     ("engine_step_seconds", "Wall time of the engine's steps", "step_s"),
+                     ("accelerator_seconds", "Time of the work issued on the accelerator", "accel_s"),
+                     ("cpu_experts_seconds", "CPU expert kernels, from submit until their result was in hand",
+                      "cpu_experts_s"),
+                     ("cpu_experts_wait_seconds", "Time the forward waited for the CPU expert kernels", "cpu_wait_s"),
+                     ("streamed_bytes", "Bytes stream-loading prefill copied to the accelerator", "bytes_streamed"),
+                     ("stream_copy_seconds", "Time stream-loading prefill's copies took", "copy_s"))
+        for metric, documentation, attribute in per_phase:
+            family = CounterMetricFamily(PREFIX + metric, documentation, labels=["model_name", "phase"])
+            for phase, totals in stats.phases.items():
+                family.add_metric([name, phase], getattr(totals, attribute))
+            yield family
+        assignments = CounterMetricFamily(PREFIX + "expert_assignments", "(token, expert) pairs computed, by where",
+                                          labels=["model_name", "phase", "where"])
+        for phase, totals in stats.phases.items():
+            assignments.add_metric([name, phase, "cpu"], totals.cpu_expert_assignments)
+            assignments.add_metric([name, phase, "accelerator"], totals.hot_expert_assignments)
+        yield assignments
+        copied = sum(t.bytes_streamed for t in stats.phases.values())
+        seconds = sum(t.copy_s for t in stats.phases.values())
+        gbs = GaugeMetricFamily(PREFIX + "stream_copy_gbs", "Achieved copy bandwidth of stream-loading prefill, GB/s",
+                                labels=["model_name"])
+        gbs.add_metric([name], copied / seconds / 1e9 if seconds > 0 else 0.0)
+        yield gbs

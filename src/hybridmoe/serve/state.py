@@ -25,7 +25,8 @@ class ServerSettings:
 class ServerState:
     def __init__(self, engine: EngineClient, settings: ServerSettings):
         self.engine, self.settings = engine, settings
-        self.metrics = ServerMetrics(settings.served_model_name, engine.stats)
+        self.metrics = ServerMetrics(settings.served_model_name, engine.stats,
+                                     lambda: getattr(getattr(engine, "engine", None), "run_stats", None))
         self._strings: TokenStrings | None = None
         self.created = time.time()
 
