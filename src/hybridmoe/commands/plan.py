@@ -9,21 +9,21 @@ demo model).
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
 DEFAULT_PROFILE = Path("~/.cache/hybridmoe/profile.json")
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(gib|gb|g|mib|mb|m)?\s*$", re.IGNORECASE)
-_UNITS = {None: 1e9, "gb": 1e9, "g": 1e9, "gib": 2**30, "mb": 1e6, "m": 1e6, "mib": 2**20}
 
 
 def parse_size(text: str) -> float:
-    """"24GB" / "24G" / "22.5GiB" / "512MB" / "24" (GB) -> bytes."""
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"cannot read size {text!r}: write e.g. 24GB, 22.5GiB or 512MB")
-    return float(match.group(1)) * _UNITS[match.group(2).lower() if match.group(2) else None]
+    """"24GB" / "24G" / "22.5GiB" / "512MB" -> bytes (accel.parse_bytes, as `--vram` everywhere); a bare number is
+    GB here ("24")."""
+    from hybridmoe.accel.accelerator import parse_bytes
+
+    try:
+        return float(text) * 1e9
+    except ValueError:
+        return float(parse_bytes(text))
 
 
 def parse_ints(text: str, what: str) -> tuple[int, ...]:
