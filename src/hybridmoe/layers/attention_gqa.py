@@ -13,7 +13,8 @@ import torch
 from hybridmoe.config import ModelConfig
 from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import rms_norm
-from hybridmoe.layers.paged_attention import AttentionMetadata, attend, gather_context, write_to_cache
+from hybridmoe.layers.paged_attention import (AttentionMetadata, attend, decode_kernel_seqs, gather_context,
+                                              paged_decode, write_to_cache)
 from hybridmoe.layers.rope import RotaryEmbedding
 
 
@@ -55,7 +56,14 @@ class GQAttention:
         write_to_cache(cache[0], meta.slot_mapping, k)
         write_to_cache(cache[1], meta.slot_mapping, v)
         out = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
+        decoded = decode_kernel_seqs(meta, cache, self.observers)  # leading one-token sequences: rows [0, decoded)
+        if decoded:
+            paged_decode(q[:decoded], cache[0], cache[1], meta, cfg.softmax_scale, cfg.sliding_window, out[:decoded])
+            if decoded == num_tokens:
+                return w.o_proj(out.view(num_tokens, -1))
         for s, rows in enumerate(meta.query_slices()):
+            if s < decoded:
+                continue
             k_ctx = gather_context(cache[0], meta.block_tables[s], meta.seq_lens[s])  # [C, Nk, D]
             v_ctx = gather_context(cache[1], meta.block_tables[s], meta.seq_lens[s])
             for observe in self.observers:

@@ -18,7 +18,8 @@ import torch
 from hybridmoe.config import ModelConfig
 from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.norm import rms_norm
-from hybridmoe.layers.paged_attention import AttentionMetadata, attend, gather_context, write_to_cache
+from hybridmoe.layers.paged_attention import (AttentionMetadata, attend, decode_kernel_seqs, gather_context,
+                                              paged_decode, write_to_cache)
 from hybridmoe.layers.rope import RotaryEmbedding
 
 
@@ -72,7 +73,14 @@ class MLAttention:
         q_lat = torch.einsum("tnp,npl->tnl", q_nope, self.w_uk)  # [T, N, L]
         q_full = torch.cat((q_lat, q_pe), dim=-1)  # [T, N, L+R]
         out_lat = torch.empty(num_tokens, cfg.num_heads, lora, dtype=x.dtype, device=x.device)
+        decoded = decode_kernel_seqs(meta, cache, self.observers)  # leading one-token sequences: rows [0, decoded)
+        if decoded:  # one shared KV head: the latent + rope key as K, its first L columns as V (views, no copy)
+            latents = cache[:, :, None, :]  # [NB, BS, 1, L+R]
+            paged_decode(q_full[:decoded], latents, latents[..., :lora], meta, cfg.softmax_scale, None,
+                         out_lat[:decoded])
         for s, rows in enumerate(meta.query_slices()):
+            if s < decoded:
+                continue
             ctx = gather_context(cache, meta.block_tables[s], meta.seq_lens[s])[:, None, :]  # [C, 1, L+R]
             for observe in self.observers:
                 observe(s, q_full[rows], ctx, cfg.softmax_scale)

@@ -6,15 +6,26 @@ p % block_size. One forward runs a batch of sequences of different lengths: the 
 are concatenated ([T, ...]), each sequence s contributing query_lens[s] tokens that extend its context to
 seq_lens[s] tokens.
 
+Decode steps (one new token per sequence) attend through the C++ kernel `kernels.attention.decode_attention`
+(`paged_decode`): it reads each sequence's keys and values in place through its block table, the query heads of
+a group sharing their KV head, so nothing is gathered or repeated. Prefill chunks, sequences with dropped keys,
+layers with observers and caches off the CPU take `gather_context` + `attend` (torch's SDPA).
+
 Legend: T new tokens in the batch, S sequences, N heads, C context tokens of one sequence, D head dim.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
+
+from hybridmoe.kernels.attention import decode_attention
+
+# Decode steps through the C++ paged decode-attention kernel; False: every step through gather + SDPA (A/B runs).
+DECODE_KERNEL = True
 
 
 @dataclass
@@ -38,6 +49,22 @@ class AttentionMetadata:
             out.append(slice(start, start + n))
             start += n
         return out
+
+    @cached_property
+    def decode_seqs(self) -> int:
+        """How many leading sequences decode one token each with no dropped keys: the kernel's batch (the
+        scheduler puts decode tokens before prefill chunks). Computed once per step, shared by every layer."""
+        n = 0
+        for s, query_len in enumerate(self.query_lens):
+            if query_len != 1 or (self.dropped is not None and self.dropped[s] is not None):
+                break
+            n += 1
+        return n
+
+    @cached_property
+    def decode_seq_lens(self) -> torch.Tensor:
+        """[decode_seqs] long: the context lengths of the kernel's batch."""
+        return torch.tensor(self.seq_lens[: self.decode_seqs], dtype=torch.long)
 
     def dropped_keys(self, seq: int) -> torch.Tensor | None:
         """bool [C] of sequence seq's context, True where the key is masked out; None when none is."""
@@ -83,3 +110,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, slid
         enable_gqa=q.shape[1] != k.shape[1],
     )  # [N, Q, Dv]
     return out.transpose(0, 1)
+
+
+def decode_kernel_seqs(meta: AttentionMetadata, cache: torch.Tensor, observers: list) -> int:
+    """How many leading sequences of this step `paged_decode` computes (0: none; the rest take `attend`)."""
+    if not DECODE_KERNEL or observers or cache.device.type != "cpu":
+        return 0
+    return meta.decode_seqs
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                 sliding_window: int | None, out: torch.Tensor) -> None:
+    """The decode sequences' attention, read in place from the paged cache: q [S', N, D] (the first S' =
+    q.shape[0] sequences, one token each), k_cache [NB, BS, Nk, D], v_cache [NB, BS, Nk, Dv] -> out [S', N, Dv]."""
+    num = q.shape[0]
+    decode_attention(q, k_cache, v_cache, meta.block_tables[:num], meta.decode_seq_lens[:num], scale, sliding_window,
+                     out=out)
