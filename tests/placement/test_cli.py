@@ -45,7 +45,7 @@ def test_plan_from_a_model_directory(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["plan", "--model", "nope", "--vram", "24GB", "--hardware", "rtx4090,desktop-2ch"], "packaged"),
-    (["plan", "--model", "deepseek-v3", "--vram", "lots", "--hardware", "rtx4090,desktop-2ch"], "cannot read .* as a memory size"),
+    (["plan", "--model", "deepseek-v3", "--vram", "lots", "--hardware", "rtx4090,desktop-2ch"], "cannot read 'lots' as a memory size"),
     (["plan", "--model", "deepseek-v3", "--vram", "24GB", "--profile", "/nonexistent.json"], "hybridmoe profile"),
     (["plan", "--model", "deepseek-v3", "--vram", "1GB", "--hardware", "rtx4090,epyc-genoa-2s"], "raise --vram"),
     (["simulate", "--model", "deepseek-v3"], "--hardware are required"),
