@@ -29,9 +29,15 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str = "auto", **engine_options):
         """model: a local Hugging Face model directory, or `demo` (the embedded demo model). engine_options: the
         fields of EngineConfig (block_size, kv_cache_gb, max_num_seqs, max_num_batched_tokens, max_model_len,
-        expert_backend, enable_prefix_caching)."""
+        expert_backend, enable_prefix_caching; and where it runs, docs/hybrid.md: device="auto"|"cpu"|"cuda",
+        vram="24GB"|None, num_gpus=1, stream_prefill="auto"|"on"|"off", plan=None|path, routing=None|path,
+        verbose)."""
         self.engine = LLMEngine(model, EngineConfig(dtype=dtype, **engine_options))
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the expert-parallel worker ranks (num_gpus > 1) and free stream-loading prefill's device slots."""
+        self.engine.close()
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
