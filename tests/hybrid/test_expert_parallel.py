@@ -72,3 +72,26 @@ def test_the_ranks_streamed_partial_outputs_sum_to_the_layers_output(world, copy
 def test_message_bytes_count_both_directions():
     assert message_bytes(0, 64, 2, torch.float32) == 0
     assert message_bytes(10, 64, 2, torch.float32) == 5 * 8 + 10 * (2 * 64 * 4 + 2 * 8)  # header, then data
+
+
+def test_the_planners_rank0_exchange_sends_the_tokens_that_need_each_worker_both_ways():
+    """parallel="rank0" (what the engine runs): GPU 0 sends each other GPU the chunk's tokens that route to it,
+    (N-1) * T * (1 - (1 - 1/N)^K) hidden states, and gets as many back; twice "tokens"' volume at N=2, where each
+    GPU holds only its half of the chunk."""
+    from hybridmoe.placement import hardware
+    from hybridmoe.placement.costmodel import CostModel
+    from hybridmoe.placement.modelspec import ModelSpec, resolve_model
+    from hybridmoe.placement.passes import PassBuilder, Residency
+
+    gpu = hardware.reference_profile("rtx4090").gpu
+    gpu = type(gpu)(**{**gpu.__dict__, "p2p_gbs": 10.0, "link_latency_us": 0.0})
+    machine = hardware.Machine("m", hardware.reference_profile("epyc-genoa-2s").cpu, gpu, num_gpus=2)
+    spec = ModelSpec(resolve_model("qwen3-30b-a3b"))
+    builder = PassBuilder(CostModel(machine, spec), Residency.all_but_experts(len(spec.layers), len(spec.moe_layers)))
+    chunk, k = 4096, spec.top_k
+    dispatch, combine = builder._exchange_s(chunk, 2, "rank0")
+    expected = chunk * (1 - 0.5**k) * spec.hidden * 2 / 10e9  # bf16 hidden states over a 10 GB/s link
+    assert dispatch == pytest.approx(expected) and combine == pytest.approx(expected)
+    assert dispatch == pytest.approx(2 * builder._exchange_s(chunk, 2, "tokens")[0])
+    units = builder.prefill_units("slp", chunk, 0, last=False, gpus=2, parallel="rank0")
+    assert {"dispatch", "combine"} <= {u.name for u in units}

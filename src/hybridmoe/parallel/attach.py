@@ -38,7 +38,7 @@ class ExpertParallel:
     def __init__(self, model, model_dir: str | Path, num_gpus: int, accel: Accelerator | None = None,
                  min_tokens: int = 1, copy: CopyChoice = "all", timeout_s: float = DEFAULT_TIMEOUT_S,
                  threads: int | None = None, budget_bytes: int | None = None,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES):
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, overlap: bool | None = None):
         from hybridmoe.accel.accelerator import select_accelerator
 
         if min_tokens < 1:
@@ -54,10 +54,10 @@ class ExpertParallel:
         self.stats = ExchangeStats()
         self.local: ShareStreamer | None = None
         self.group = RankGroup(model_dir, num_gpus, model.dtype, self.accel.kind, timeout_s, threads, budget_bytes,
-                               staging_bytes)
+                               staging_bytes, overlap)
         try:
             self.local = ShareStreamer({l: _weights_of(b).subset(mine) for l, b in self.blocks.items()}, self.accel,
-                                       staging_bytes, "ep0")
+                                       staging_bytes, "ep0", overlap)
         except BaseException:
             self.group.close()
             raise
@@ -101,15 +101,16 @@ class ExpertParallel:
 def attach_expert_parallel(model, model_dir: str | Path, num_gpus: int, accel: Accelerator | None = None,
                            min_tokens: int = 1, copy: CopyChoice = "all", timeout_s: float = DEFAULT_TIMEOUT_S,
                            threads: int | None = None, budget_bytes: int | None = None,
-                           staging_bytes: int = DEFAULT_STAGING_BYTES) -> ExpertParallel:
+                           staging_bytes: int = DEFAULT_STAGING_BYTES, overlap: bool | None = None) -> ExpertParallel:
     """Spawn num_gpus - 1 worker ranks for `model` (loaded from `model_dir`) and route its prefill chunks of at
     least `min_tokens` tokens through them. copy: each chunk's copy mode, "all" (whole layers prefetched),
     "activated", or a callable of the chunk's tokens (stream_prefill.planned_copy: the planner's choice); rank 0
     chooses per chunk and every rank follows. timeout_s bounds each wait for a worker's answer; threads: torch
     threads of each worker; budget_bytes: each worker's accelerator budget; staging_bytes: each rank's pinned
-    staging buffer. Returns the handle to close (the engine closes it; a finaliser does at exit otherwise)."""
+    staging buffer; overlap: copies beside compute (default: on CUDA; True on the stand-in runs them on each
+    rank's copy thread, as bench costmodel measures). Returns the handle to close (the engine closes it; a finaliser does at exit otherwise)."""
     return ExpertParallel(model, model_dir, num_gpus, accel, min_tokens, copy, timeout_s, threads, budget_bytes,
-                          staging_bytes)
+                          staging_bytes, overlap)
 
 
 def _weights_of(block: MoEBlock) -> ExpertWeights:

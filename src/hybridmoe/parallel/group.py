@@ -46,7 +46,8 @@ class RankFailedError(RuntimeError):
 class RankGroup:
     def __init__(self, model_dir: str | Path, world_size: int, dtype: torch.dtype, device_kind: str = "cpu",
                  timeout_s: float = 300.0, threads: int | None = None, budget_bytes: int | None = None,
-                 staging_bytes: int = 64 << 20, startup_timeout_s: float = STARTUP_TIMEOUT_S):
+                 staging_bytes: int = 64 << 20, overlap: bool | None = None,
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S):
         if world_size < 2:
             raise ValueError(f"a rank group needs at least 2 ranks, got {world_size}")
         if device_kind not in ("cpu", "cuda"):
@@ -65,7 +66,8 @@ class RankGroup:
                        "--world-size", str(world_size), "--port", str(state.store.port), "--prefix", prefix,
                        "--model", str(model_dir), "--dtype", dtype_name, "--device", device_kind,
                        "--timeout", str(timeout_s), "--startup-timeout", str(startup_timeout_s),
-                       "--parent", str(os.getpid()), "--staging", str(staging_bytes)]
+                       "--parent", str(os.getpid()), "--staging", str(staging_bytes),
+                       "--overlap", {None: "auto", True: "on", False: "off"}[overlap]]
             if threads is not None:
                 command += ["--threads", str(threads)]
             if budget_bytes is not None:

@@ -48,14 +48,15 @@ class ShareStreamer:
     run(layer, ...) is called for every MoE layer of a chunk in model order (a worker gets every layer's message,
     with or without tokens): the first MoE layer starts a pass (with copy "all" the first two layers are issued at
     once; a layer out of that order starts a pass there); copy "all" issues layer l + 2 into the slot layer l just
-    used; copy "activated" issues the experts the rank's tokens chose once they are known.
+    used; copy "activated" issues the experts the rank's tokens chose once they are known. overlap: as
+    ExpertStreamer's (default: copies run beside compute on CUDA; on the stand-in when True).
     """
 
     def __init__(self, layers: dict[int, ExpertWeights], accel: Accelerator,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES, name: str = "ep"):
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, name: str = "ep", overlap: bool | None = None):
         self.order = sorted(layers)
         self.position = {layer: p for p, layer in enumerate(self.order)}
-        self.streamer = ExpertStreamer([layers[l] for l in self.order], accel, staging_bytes, name)
+        self.streamer = ExpertStreamer([layers[l] for l in self.order], accel, staging_bytes, name, overlap=overlap)
         self.mode = "all"
         self.expected = 0  # the position the pass reaches next
 

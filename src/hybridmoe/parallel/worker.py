@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int)
     p.add_argument("--budget", type=int)
     p.add_argument("--staging", type=int, required=True)
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto")
     args = p.parse_args(argv)
     _watch_parent(args.parent)
     if args.threads:
@@ -102,7 +103,8 @@ def _load(args):
     accel = select_accelerator(device, args.budget)
     config = load_config(args.model)
     layers = load_share(args.model, config, args.rank, args.world_size, getattr(torch, args.dtype))
-    share = ShareStreamer(layers, accel, args.staging, f"ep{args.rank}")
+    overlap = {"auto": None, "on": True, "off": False}[args.overlap]
+    share = ShareStreamer(layers, accel, args.staging, f"ep{args.rank}", overlap)
     return share, accel, config.hidden_size
 
 

@@ -18,8 +18,10 @@ Prefill strategies (per chunk of C prompt tokens after `offset` earlier ones):
             computes only those. parallel="experts" (the paper's SmallEP): attention and the dense parts are
             replicated on every GPU and the partial MoE outputs are summed across GPUs; parallel="tokens":
             each GPU also attends for only 1/N of the chunk's queries (data-parallel attention) and tokens
-            travel to their experts' GPUs and back. GPU<->GPU traffic goes through host memory without a peer
-            link.
+            travel to their experts' GPUs and back; parallel="rank0" (what the engine runs, hybridmoe.parallel):
+            GPU 0 runs attention and the dense parts for the whole chunk and sends each other GPU the tokens that
+            route to its experts, which send their partial outputs back. GPU<->GPU traffic goes through host memory
+            without a peer link.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from hybridmoe.placement.format_sizes import weight_format
 from hybridmoe.placement.schedule import Unit
 
 STRATEGIES = ("cpu", "hybrid", "slp")
-PARALLEL = ("experts", "tokens")  # several GPUs: split only the experts, or the tokens too
+PARALLEL = ("experts", "tokens", "rank0")  # several GPUs: split only the experts, the tokens too, or GPU 0 as hub
 GiB = 1024**3
 
 
@@ -304,13 +306,19 @@ class PassBuilder:
         "experts": every GPU holds every token; the partial MoE outputs are summed (all-reduce, each GPU
         moves 2(N-1)/N of the chunk's hidden states). "tokens": each GPU sends its tokens to the GPUs that own
         one of their experts and gets the results back (a token needs a given other GPU with probability
-        1 - (1 - 1/N)^K)."""
+        1 - (1 - 1/N)^K). "rank0": GPU 0 holds every token and sends each of the N-1 others the tokens that need
+        it, over its one link, and receives as many partial outputs back (the engine's exchange,
+        hybridmoe/parallel/exchange.py; the expert ids and weights sent with each token are left out: 8K bytes
+        against 2H)."""
         if gpus <= 1:
             return 0.0, 0.0
         c = self.cost
         if parallel == "experts":
             return 0.0, c.gpu_to_gpu_s(c.activations_bytes(chunk) * 2 * (gpus - 1) / gpus)
         needs = 1.0 - (1.0 - 1.0 / gpus) ** self.spec.top_k
+        if parallel == "rank0":
+            volume = c.activations_bytes(chunk) * (gpus - 1) * needs
+            return c.gpu_to_gpu_s(volume), c.gpu_to_gpu_s(volume)
         volume = c.activations_bytes(chunk / gpus) * (gpus - 1) * needs
         return c.gpu_to_gpu_s(volume), c.gpu_to_gpu_s(volume)
 
