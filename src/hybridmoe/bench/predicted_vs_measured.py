@@ -18,6 +18,11 @@ half of prefill chunks streamed through the engine's StreamPrefill onto this mac
 here), both copy variants, against the planner's SLP schedule (passes._slp_moe_units, schedule.run) fed with the
 copy bandwidth and grouped-matmul rate measured alone in the same round.
 
+Expert parallelism over 2 ranks (`--cases ep`, bench/_ep_case.py): on the same model, a 512-token chunk's
+routed-expert half over the engine process and one worker rank (hybridmoe.parallel, gloo on the stand-in), each
+streaming its half of the experts, against the planner's 2-GPU schedule with parallel="rank0" (the exchange the
+engine runs) fed with the same isolated rates and the link between the ranks measured by a ping-pong.
+
 One thread for torch and the expert kernels by default (--threads): on a machine shared with other jobs every
 parallel op otherwise waits for a descheduled thread. The JSON rows say the threads and the load average.
 """
@@ -67,9 +72,9 @@ def register(subparsers) -> None:
     p.add_argument("--case-seconds", type=float, default=1.0,
                    help="keep timing a case's steps in a round until this long (default 1 s: fast cases get "
                         "more steps)")
-    p.add_argument("--cases", default="cpu,slp",
+    p.add_argument("--cases", default="cpu,slp,ep",
                    help="comma-separated: cpu (CPU decode and prefill steps), slp (stream-loading prefill on the "
-                        "accelerator or its stand-in); default both")
+                        "accelerator or its stand-in), ep (the same over 2 ranks: expert parallelism); default all")
     p.add_argument("--cache", default=None, help="where to build the Qwen3-shaped model (default: user cache)")
     p.add_argument("--threads", type=int, default=1,
                    help="threads for torch and the kernels, tables and engine alike (default 1: stable on a "
@@ -199,8 +204,9 @@ def run(args) -> int:
     isa.configure_threads(args.threads)
     dtype = resolve_dtype("auto")
     cases = {c.strip() for c in args.cases.split(",") if c.strip()}
-    if not cases or cases - {"cpu", "slp"}:
-        raise SystemExit(f"--cases: choose from cpu, slp (got {args.cases!r})")
+    if not cases or cases - {"cpu", "slp", "ep"}:
+        raise SystemExit(f"--cases: choose from cpu, slp, ep (got {args.cases!r})")
+    run_ep = "ep" in cases
     if "cpu" not in cases:
         models = {}
     elif args.models:
@@ -241,6 +247,12 @@ def run(args) -> int:
 
         model_dir = qwen_shaped_model(SLP_LAYERS, Path(args.cache) if args.cache else None, SLP_SHAPE)
         rows += slp_rows(model_dir, dtype, args.rounds, args.threads)
+    if run_ep:
+        from hybridmoe.bench._ep_case import ep_rows
+        from hybridmoe.bench._slp_case import SLP_LAYERS, SLP_SHAPE
+
+        model_dir = qwen_shaped_model(SLP_LAYERS, Path(args.cache) if args.cache else None, SLP_SHAPE)
+        rows += ep_rows(model_dir, dtype, args.rounds, args.threads)
     _print(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
