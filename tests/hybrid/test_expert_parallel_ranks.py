@@ -1,8 +1,8 @@
 """Small expert parallelism with real ranks on the CPU stand-in: the engine process (rank 0) spawns a worker rank,
-two gloo processes, and prefill chunks run each rank's share of the experts. The same greedy tokens as the plain
-engine on tiny DeepSeek-V3 (FP8 experts), Qwen3-MoE and Mixtral models; a killed rank and a hung rank fail the
-engine with a clear error within a bound (a bound on a hang, not a speed goal); no process is left after close,
-nor after an engine process that exits without closing."""
+two gloo processes, and prefill chunks stream and compute each rank's share of the experts. Through the engine
+(num_gpus=2) the same greedy tokens as the plain engine on tiny DeepSeek-V3 (FP8 experts), Qwen3-MoE and Mixtral
+models; the activated-only copy; a killed rank and a hung rank fail with a clear error within a bound (a bound on a
+hang, not a speed goal); no process is left after close, nor after an engine process that exits without closing."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ import torch
 from hybridmoe import LLM, SamplingParams
 from hybridmoe.checkpoint.fp8 import write_fp8_checkpoint
 from hybridmoe.kernels import isa
+from hybridmoe.layers.moe.block import MoEBlock
 from hybridmoe.parallel.attach import attach_expert_parallel
+from hybridmoe.parallel.backend import ExpertParallelBackend
 from hybridmoe.parallel.group import RankFailedError
 
 pytestmark = pytest.mark.slow
@@ -62,45 +64,65 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("model_type, copy", [("deepseek_v3", "all"), ("qwen3_moe", "activated"),
-                                              ("mixtral", "all")])
-def test_two_ranks_give_the_same_greedy_tokens_as_the_plain_engine(model_dirs, model_type, copy):
-    """copy "all" streams each rank's whole share of every layer, "activated" only the experts its tokens chose."""
+def _parallel(llm: LLM) -> list[ExpertParallelBackend]:
+    """The expert-parallel backends the engine attached to its MoE blocks."""
+    blocks = [layer.mlp for layer in llm.engine.model.layers if isinstance(layer.mlp, MoEBlock)]
+    backends = [block.prefill_experts for block in blocks]
+    assert all(isinstance(b, ExpertParallelBackend) for b in backends)
+    return backends
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "mixtral"])
+def test_two_ranks_through_the_engine_give_the_same_greedy_tokens_as_the_plain_engine(model_dirs, model_type):
+    """num_gpus=2: the engine spawns the worker; each rank streams its whole half of every layer ("all")."""
     model_dir = model_dirs[model_type]
     plain = [r.token_ids for r in LLM(model_dir, dtype="float32").generate(_prompts(), GREEDY)]
-    llm = LLM(model_dir, dtype="float32")
-    ep = attach_expert_parallel(llm.engine.model, model_dir, 2, min_tokens=MIN_TOKENS, copy=copy, timeout_s=60,
-                                threads=1, staging_bytes=1 << 20)
-    pids = list(ep.group.pids.values())
+    llm = LLM(model_dir, dtype="float32", num_gpus=2, stream_prefill="on")
+    backends = _parallel(llm)
+    group, local = backends[0].group, backends[0].local
+    pids = list(group.pids.values())
     try:
-        assert all(map(_running, pids)) and os.getpid() not in pids
-        config = llm.engine.model.config
-        share = ep.local.streamer.layers[0]
-        assert share.num_experts == config.moe.num_experts // 2  # rank 0 streams its half
+        assert len(pids) == 1 and _running(pids[0]) and pids[0] != os.getpid()
+        share = local.streamer.layers[0]
+        assert share.num_experts == llm.engine.model.config.moe.num_experts // 2  # rank 0 streams its half
         if model_type == "deepseek_v3":
             assert share.fmt == "fp8"  # streamed as the FP8 bytes the CPU kernels read (the worker maps the same)
         results = llm.generate(_prompts(), GREEDY)
         assert [r.error for r in results] == [None] * 3
         assert [r.token_ids for r in results] == plain
-        # the prompts' chunk went over both ranks: the worker got tokens, and each rank streamed its share
-        assert ep.stats.calls == len(ep.backends) and ep.stats.tokens_sent[1] > 0
-        whole_share = share.nbytes() * len(ep.backends)  # every MoE layer's half (same shapes in every layer)
-        for stats in ep.stream_stats():
-            assert stats.passes == 1 and 0 < stats.bytes <= whole_share
-            assert (stats.bytes == whole_share) == (copy == "all")  # 16 experts, 39 tokens: some left unactivated
+        # the prompts' chunk went over both ranks: the worker got tokens, each rank streamed its whole share once
+        stats = backends[0].stats
+        assert stats.calls == len(backends) and stats.tokens_sent[1] > 0
+        whole_share = share.nbytes() * len(backends)  # every MoE layer's half (same shapes in every layer)
+        passes, nbytes, _, _ = group.worker_stream_stats(1)
+        assert (passes, nbytes) == (local.stats().passes, local.stats().bytes) == (1, whole_share)
     finally:
-        ep.close()
+        llm.engine.close()
     assert not any(map(_running, pids))
-    results = llm.generate(_prompts()[:1], GREEDY)  # detached: the engine runs alone again
+    results = llm.generate(_prompts()[:1], GREEDY)  # closed: the engine decodes (and prefills) alone again
     assert results[0].token_ids == plain[0]
 
 
-def test_a_killed_rank_fails_the_engine_with_a_clear_error_within_a_bound(model_dirs):
-    llm = LLM(model_dirs["qwen3_moe"], dtype="float32")
-    ep = attach_expert_parallel(llm.engine.model, model_dirs["qwen3_moe"], 2, min_tokens=MIN_TOKENS, timeout_s=60,
-                                threads=1)
+def test_activated_copy_streams_only_the_chosen_experts_on_each_rank(model_dirs):
+    model_dir = model_dirs["qwen3_moe"]
+    plain = [r.token_ids for r in LLM(model_dir, dtype="float32").generate(_prompts(), GREEDY)]
+    llm = LLM(model_dir, dtype="float32")
+    ep = attach_expert_parallel(llm.engine.model, model_dir, 2, min_tokens=MIN_TOKENS, copy="activated",
+                                timeout_s=60, threads=1, staging_bytes=1 << 20)
     try:
-        pid = ep.group.pids[1]
+        assert [r.token_ids for r in llm.generate(_prompts(), GREEDY)] == plain
+        whole_share = ep.local.streamer.layers[0].nbytes() * len(ep.backends)
+        for stats in ep.stream_stats():  # 16 experts, 39 tokens at top-2: some of each rank's 8 left unchosen
+            assert stats.passes == 1 and 0 < stats.bytes < whole_share
+    finally:
+        ep.close()
+
+
+def test_a_killed_rank_fails_the_engine_with_a_clear_error_within_a_bound(model_dirs):
+    llm = LLM(model_dirs["qwen3_moe"], dtype="float32", num_gpus=2, stream_prefill="on")
+    backend = _parallel(llm)[0]
+    try:
+        pid = backend.group.pids[1]
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
         result = llm.generate(_prompts()[1], GREEDY)[0]
@@ -108,10 +130,9 @@ def test_a_killed_rank_fails_the_engine_with_a_clear_error_within_a_bound(model_
         assert result.finish_reason == "error"
         assert f"rank 1 (pid {pid}) was killed by SIGKILL" in result.error and "Restart the engine" in result.error
         with pytest.raises(RankFailedError, match="killed by SIGKILL"):  # every later prefill fails at once
-            next(iter(ep.backends.values())).submit(torch.zeros(4, 64), torch.zeros(4, 2, dtype=torch.long),
-                                                    torch.ones(4, 2))
+            backend.submit(torch.zeros(4, 64), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2))
     finally:
-        ep.close()
+        llm.engine.close()
     assert not _running(pid)
 
 

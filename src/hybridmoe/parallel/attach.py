@@ -11,11 +11,8 @@ experts run on rank 0 only (docs/hybrid.md, "Several GPUs").
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 from hybridmoe.accel.accelerator import Accelerator
 from hybridmoe.layers.moe.backend import ExpertWeights
@@ -23,7 +20,6 @@ from hybridmoe.layers.moe.block import MoEBlock
 from hybridmoe.layers.moe.staging import DEFAULT_STAGING_BYTES
 from hybridmoe.layers.moe.stream_prefill import COPY_MODES, StreamStats
 from hybridmoe.parallel.backend import ChunkCopy, ExchangeStats, ExpertParallelBackend
-from hybridmoe.parallel.exchange import OP_STATS, TAG_HEADER, TAG_STATS, header
 from hybridmoe.parallel.group import RankGroup
 from hybridmoe.parallel.ownership import owned_experts
 from hybridmoe.parallel.share import ShareStreamer
@@ -75,17 +71,10 @@ class ExpertParallel:
     def stream_stats(self) -> list[StreamStats]:
         """Per rank (0 first), what its streamer moved: passes, bytes copied, copy seconds, the last pass's bytes
         (the workers' figures asked for over the group; their staging and slot fields are left at defaults)."""
-        self.group.check()
         out = [self.local.stats()]
         for rank in range(1, self.world_size):
-            figures = torch.empty(4, dtype=torch.float64)
-            try:
-                self.group.pg.send([header(OP_STATS)], rank, TAG_HEADER).wait()
-                self.group.pg.recv([figures], rank, TAG_STATS).wait(datetime.timedelta(seconds=self.group.timeout_s))
-            except RuntimeError as error:
-                raise self.group.failed(rank, error) from None
-            passes, nbytes, copy_s, last = figures.tolist()
-            out.append(StreamStats(passes=int(passes), bytes=int(nbytes), copy_s=copy_s, last_pass_bytes=int(last)))
+            passes, nbytes, copy_s, last = self.group.worker_stream_stats(rank)
+            out.append(StreamStats(passes=passes, bytes=nbytes, copy_s=copy_s, last_pass_bytes=last))
         return out
 
     def close(self) -> None:
@@ -108,7 +97,8 @@ def attach_expert_parallel(model, model_dir: str | Path, num_gpus: int, accel: A
     chooses per chunk and every rank follows. timeout_s bounds each wait for a worker's answer; threads: torch
     threads of each worker; budget_bytes: each worker's accelerator budget; staging_bytes: each rank's pinned
     staging buffer; overlap: copies beside compute (default: on CUDA; True on the stand-in runs them on each
-    rank's copy thread, as bench costmodel measures). Returns the handle to close (the engine closes it; a finaliser does at exit otherwise)."""
+    rank's copy thread, as bench costmodel measures). Returns the handle to close (the engine closes it; a
+    finaliser does at exit otherwise)."""
     return ExpertParallel(model, model_dir, num_gpus, accel, min_tokens, copy, timeout_s, threads, budget_bytes,
                           staging_bytes, overlap)
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybridmoe.parallel.exchange import OP_STOP, TAG_HEADER, header
+from hybridmoe.parallel.exchange import OP_STATS, OP_STOP, TAG_HEADER, TAG_STATS, header
 
 STARTUP_TIMEOUT_S = 300.0  # a worker loads its share of the experts before it joins
 STOP_WAIT_S = 10.0  # a stopped worker has this long to exit before it is terminated
@@ -130,6 +130,18 @@ class RankGroup:
                              f"engine cannot continue. Restart the engine (or run with num_gpus=1). "
                              f"[{self.backend}: {str(error).strip()[:300]}]")
         return RankFailedError(state.failure)
+
+    def worker_stream_stats(self, rank: int) -> tuple[int, int, float, int]:
+        """Worker `rank`'s streaming figures: (passes, bytes copied, copy seconds, bytes of the last pass)."""
+        self.check()
+        figures = torch.empty(4, dtype=torch.float64)
+        try:
+            self.pg.send([header(OP_STATS)], rank, TAG_HEADER).wait(datetime.timedelta(seconds=self.timeout_s))
+            self.pg.recv([figures], rank, TAG_STATS).wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as error:
+            raise self.failed(rank, error) from None
+        passes, nbytes, copy_s, last = figures.tolist()
+        return int(passes), int(nbytes), copy_s, int(last)
 
     def close(self) -> None:
         """Stop every worker and wait for it to exit (idempotent)."""
