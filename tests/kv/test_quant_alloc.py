@@ -25,7 +25,7 @@ def test_round_trip_error_at_most_half_a_step(layout, bits):
     assert scales.dtype == torch.float16 and scales.shape == (300, layout.num_groups)
     assert codes.shape == (300, layout.row_width if bits == 8 else layout.row_width // 2)
     back = quant.dequantize(codes, scales, layout.group_widths, bits)
-    step = quant._expand(scales, layout.group_widths)
+    step = quant.expand_scales(scales, layout.group_widths)
     err = (back - rows).abs()
     assert (err <= step / 2 * (1 + 1e-5) + 1e-30).all(), float((err - step / 2).max())
     assert back[0].abs().max() == 0

@@ -153,12 +153,14 @@ class PayloadWriter:
         for tier, bits, name in ((Tier.INT8, 8, "int8"), (Tier.INT4, 4, "int4")):
             codes, scales = quant.quantize(rows[self.index[tier]], lay.group_widths, bits)
             parts[name], parts[name + "_scales"] = codes, scales
-        body = bytearray(seg.body_bytes)
+        out = torch.zeros(seg.segment_bytes, dtype=torch.uint8)
+        body = out[SEGMENT_PREFIX.size: SEGMENT_PREFIX.size + seg.body_bytes]
         for name, offset, size in seg.arrays():
             if size:
-                body[offset: offset + size] = parts[name].contiguous().view(torch.uint8).numpy().tobytes()
-        out = SEGMENT_PREFIX.pack(layer, zlib.crc32(body)) + bytes(body)
-        return out + b"\0" * (seg.segment_bytes - len(out))
+                body[offset: offset + size] = parts[name].contiguous().view(torch.uint8).flatten()
+        array = out.numpy()
+        SEGMENT_PREFIX.pack_into(array, 0, layer, zlib.crc32(array[SEGMENT_PREFIX.size: SEGMENT_PREFIX.size + seg.body_bytes]))
+        return array.tobytes()
 
 
 def pack(writer: PayloadWriter, layers: list[torch.Tensor]) -> bytes:

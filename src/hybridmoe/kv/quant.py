@@ -17,48 +17,56 @@ QMAX = {8: 127, 4: 7}
 FP16_MAX = 65504.0
 
 
-def _group_absmax(rows: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor:
-    """rows [n, W] -> max |x| per group [n, G] float32."""
-    x = rows.float().abs()
-    if len(set(widths)) == 1:
-        return x.view(x.shape[0], len(widths), widths[0]).amax(-1)
-    return torch.stack([g.amax(-1) for g in x.split(list(widths), dim=-1)], dim=-1)
+def _runs(widths: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+    """Consecutive groups of one width: (first column, first group, groups, width) each. GQA is one run of
+    2 Nk heads, MLA two runs (the latent, the rope key)."""
+    runs, col, group = [], 0, 0
+    for w in widths:
+        if runs and runs[-1][3] == w:
+            c, g, k, _ = runs[-1]
+            runs[-1] = (c, g, k + 1, w)
+        else:
+            runs.append((col, group, 1, w))
+        col, group = col + w, group + 1
+    return runs
 
 
-def _expand(scales: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor:
-    """scales [n, G] -> [n, W] float32, each group's scale repeated over its values."""
-    if len(set(widths)) == 1:
-        return scales.float().repeat_interleave(widths[0], dim=-1)
-    return scales.float().repeat_interleave(torch.tensor(widths), dim=-1)
-
-
-def scales_for(rows: torch.Tensor, widths: tuple[int, ...], bits: int) -> torch.Tensor:
-    """rows [n, W] -> float16 scales [n, G], each >= max|x| / qmax once in float16 (below its range limit)."""
-    qmax = QMAX[bits]
-    amax = _group_absmax(rows, widths)
-    scales = (amax / qmax).clamp(max=FP16_MAX).to(torch.float16)
+def _scales(amax: torch.Tensor, qmax: int) -> torch.Tensor:
+    """max |x| [..] float32 -> float16 scales, each >= amax / qmax once in float16 (below its range limit)."""
+    scales = (amax / qmax).clamp_(max=FP16_MAX).to(torch.float16)
     low = scales.float() * qmax < amax
-    if low.any():
-        bumped = torch.nextafter(scales.float(), torch.tensor(float("inf"))).to(torch.float16)
-        # nextafter in float32 may round back: step the float16 bits instead
-        bumped = torch.where(bumped.float() * qmax < amax,
-                             (scales.view(torch.int16) + 1).view(torch.float16), bumped)
+    if low.any():  # float16 rounded down: one step up
+        bumped = (scales.view(torch.int16) + 1).view(torch.float16)
         scales = torch.where(low & (scales.float() < FP16_MAX), bumped, scales)
     return scales
 
 
+def scales_for(rows: torch.Tensor, widths: tuple[int, ...], bits: int) -> torch.Tensor:
+    """rows [n, W] -> float16 scales [n, G]."""
+    return quantize(rows, widths, bits)[1]
+
+
 def quantize(rows: torch.Tensor, widths: tuple[int, ...], bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [n, W] -> (codes, scales float16 [n, G]); codes int8 [n, W] (INT8) or uint8 [n, W/2] (INT4)."""
-    scales = scales_for(rows, widths, bits)
     qmax = QMAX[bits]
-    s = _expand(scales, widths)
+    n, width = rows.shape
+    if bits == 4 and width % 2:
+        raise ValueError(f"INT4 packs two values per byte: the row width {width} must be even")
     x = rows.float()
-    codes = torch.where(s > 0, x / torch.where(s > 0, s, 1.0), 0.0).round_().clamp_(-qmax, qmax)
+    codes = torch.empty(n, width, dtype=torch.int8)
+    scales = torch.empty(n, len(widths), dtype=torch.float16)
+    for col, group, count, w in _runs(widths):
+        xs = x[:, col: col + count * w].unflatten(1, (count, w))  # [n, g, w]
+        s = _scales(torch.linalg.vector_norm(xs, float("inf"), dim=-1), qmax)  # [n, g]: max |x|
+        scales[:, group: group + count] = s
+        sf = s.float()
+        q = (xs * torch.where(sf > 0, 1.0 / sf, 0.0)[..., None]).round_()  # within +-qmax unless a scale saturated
+        if bool((sf >= FP16_MAX).any()):
+            q.clamp_(-qmax, qmax)
+        codes[:, col: col + count * w].unflatten(1, (count, w)).copy_(q)
     if bits == 8:
-        return codes.to(torch.int8), scales
-    if rows.shape[-1] % 2:
-        raise ValueError(f"INT4 packs two values per byte: the row width {rows.shape[-1]} must be even")
-    nib = (codes + 8).to(torch.uint8)
+        return codes, scales
+    nib = (codes + 8).view(torch.uint8)
     return nib[:, 0::2] | (nib[:, 1::2] << 4), scales
 
 
@@ -66,10 +74,17 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, widths: tuple[int, ...
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(codes, scales) of quantize -> rows [n, W] in dtype."""
     if bits == 4:
-        unpacked = torch.empty(codes.shape[0], codes.shape[1] * 2, dtype=torch.int16)
-        unpacked[:, 0::2] = (codes & 0x0F).to(torch.int16)
-        unpacked[:, 1::2] = (codes >> 4).to(torch.int16)
-        values = (unpacked - 8).float()
+        values = torch.empty(codes.shape[0], codes.shape[1] * 2, dtype=torch.float32)
+        values[:, 0::2] = codes & 0x0F
+        values[:, 1::2] = codes >> 4
+        values -= 8
     else:
         values = codes.float()
-    return (values * _expand(scales, widths)).to(dtype)
+    for col, group, count, w in _runs(widths):
+        values[:, col: col + count * w].unflatten(1, (count, w)).mul_(scales[:, group: group + count, None].float())
+    return values.to(dtype)
+
+
+def expand_scales(scales: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor:
+    """scales [n, G] -> [n, W] float32, each group's scale repeated over its values."""
+    return scales.float().repeat_interleave(torch.tensor(widths), dim=-1)
