@@ -90,9 +90,10 @@ def run_kv(args) -> int:
         raise ValueError(f"--budgets: fractions in (0, 1], got {args.budgets!r}")
     harness = _harness(args.model)
     if args.int4 == "auto":
-        int4 = probe_verdict(harness, cache_dir=args.cache_dir).int4_allowed
+        verdict = probe_verdict(harness, cache_dir=args.cache_dir)
+        int4, harness.int4_verdict = verdict.int4_allowed, verdict.label
     else:
-        int4 = args.int4 == "yes"
+        int4, harness.int4_verdict = args.int4 == "yes", f"int4-{'allowed' if args.int4 == 'yes' else 'refused'}-by-flag"
     ladder = LADDER_3 if int4 else LADDER_2
     print(f"model {harness.model_dir} ({harness.layout.kind}, fingerprint {harness.fingerprint}); ladder "
           f"{'/'.join(TIER_NAMES[t] for t in ladder)}; full tier {harness.full_dtype}")
@@ -105,7 +106,7 @@ def run_kv(args) -> int:
     print(f"\n{'method':<22}{'b':>6}{'ppl':>9}{'dppl %':>9}{'passkey':>9}{'payload B':>11}{'real b':>8}")
     for r in rows:
         print(f"{r['method']:<22}{r['budget']:>6.2f}{r['ppl']:>9.3f}{r['ppl_delta_pct']:>+9.2f}"
-              f"{r['passkey_acc']:>9.0%}{r['payload_bytes'] or 0:>11}{r.get('payload_fraction', 1.0):>8.3f}")
+              f"{r['passkey_acc']:>9.0%}{r['payload_bytes']:>11}{r['payload_fraction']:>8.3f}")
     for r in rates:
         print(f"pack/unpack of {r['tokens']} tokens at b = {r['budget']}: {r['payload_bytes']} payload bytes, "
               f"pack {r['pack_gbps']} GB/s, unpack {r['unpack_gbps']} GB/s (16-bit KV bytes per second)")
