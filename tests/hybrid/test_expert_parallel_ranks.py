@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -148,6 +149,27 @@ def test_a_hung_rank_fails_the_exchange_after_the_timeout_and_close_kills_it(mod
         assert time.monotonic() - start < HANG_BOUND_S
         assert result.finish_reason == "error"
         assert f"rank 1 did not answer within 3 s (pid {pid} is still running" in result.error
+    finally:
+        ep.close()
+    assert not _running(pid)
+
+
+def test_a_rank_killed_while_rank_0_waits_for_it_fails_at_once_not_at_the_timeout(model_dirs):
+    """The worker is stopped (so rank 0 is left waiting inside the exchange), then killed: the closed connection
+    ends the wait with the exit status long before the 60 s receive timeout."""
+    llm = LLM(model_dirs["mixtral"], dtype="float32")
+    ep = attach_expert_parallel(llm.engine.model, model_dirs["mixtral"], 2, min_tokens=MIN_TOKENS, timeout_s=60,
+                                threads=1)
+    pid = ep.group.pids[1]
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
+        killer.start()
+        start = time.monotonic()
+        result = llm.generate(_prompts()[1], GREEDY)[0]
+        assert time.monotonic() - start < HANG_BOUND_S
+        assert f"rank 1 (pid {pid}) was killed by SIGKILL" in result.error
+        killer.join()
     finally:
         ep.close()
     assert not _running(pid)
