@@ -206,7 +206,7 @@ def run(args) -> int:
     cases = {c.strip() for c in args.cases.split(",") if c.strip()}
     if not cases or cases - {"cpu", "slp", "ep"}:
         raise SystemExit(f"--cases: choose from cpu, slp, ep (got {args.cases!r})")
-    run_ep = "ep" in cases
+    run_slp, run_ep = "slp" in cases, "ep" in cases  # `cases` is reused below for the cpu case's steps
     if "cpu" not in cases:
         models = {}
     elif args.models:
@@ -242,7 +242,7 @@ def run(args) -> int:
         gc.collect()
     loads.append(os.getloadavg()[0])
     rows = [_row(f"{label} {name}", results, args.threads, loads) for (label, name), results in per_round.items()]
-    if "slp" in cases:
+    if run_slp:
         from hybridmoe.bench._slp_case import SLP_LAYERS, SLP_SHAPE, slp_rows
 
         model_dir = qwen_shaped_model(SLP_LAYERS, Path(args.cache) if args.cache else None, SLP_SHAPE)
