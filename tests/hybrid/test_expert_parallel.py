@@ -95,3 +95,25 @@ def test_the_planners_rank0_exchange_sends_the_tokens_that_need_each_worker_both
     assert dispatch == pytest.approx(2 * builder._exchange_s(chunk, 2, "tokens")[0])
     units = builder.prefill_units("slp", chunk, 0, last=False, gpus=2, parallel="rank0")
     assert {"dispatch", "combine"} <= {u.name for u in units}
+
+
+def test_bench_ep_prediction_is_half_of_one_gpu_over_a_free_link_and_pays_for_a_slow_one():
+    """bench costmodel's ep case predicts with the planner's rank0 schedule: each of 2 GPUs streams and computes
+    half of what one GPU does, plus the exchange over the link between them."""
+    from hybridmoe.bench._ep_case import predict
+    from hybridmoe.bench._slp_case import SLP_LAYERS, SLP_SHAPE
+    from hybridmoe.bench._slp_case import predict as one_gpu
+    from hybridmoe.config import parse_config
+
+    config = parse_config({"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": SLP_LAYERS,
+                           "max_position_embeddings": 4096, **SLP_SHAPE})
+    experts, k = SLP_SHAPE["num_experts"], SLP_SHAPE["num_experts_per_tok"]
+    counts = [[512 * k // experts] * experts for _ in range(SLP_LAYERS)]  # uniform: every expert active
+    alone = one_gpu(config, 512, "all", counts, 1.0, 0.5).total_s
+    free = predict(config, counts, 1.0, 0.5, 1e9)
+    assert free.total_s == pytest.approx(alone / 2, rel=1e-3)
+    slow = predict(config, counts, 1.0, 0.5, 0.1)  # 0.1 GB/s: 512 x 1024 bf16 hidden states each way, per layer
+    exchange = sum(u.handoff_s for u in slow.units if u.name in ("dispatch", "combine"))
+    assert exchange == pytest.approx(SLP_LAYERS * 2 * 512 * (1 - 0.5**k) * 1024 * 2 / 0.1e9, rel=1e-6)
+    # the exchange holds up compute, not the copy engine: the next layer's copy runs meanwhile
+    assert free.total_s < slow.total_s <= free.total_s + exchange + 1e-9
