@@ -104,7 +104,8 @@ def test_two_ranks_through_the_engine_give_the_same_greedy_tokens_as_the_plain_e
     assert results[0].token_ids == plain[0]
 
 
-def test_activated_copy_streams_only_the_chosen_experts_on_each_rank(model_dirs):
+def test_activated_copy_streams_only_the_chosen_experts_and_a_failed_step_leaves_the_ranks_in_step(
+        model_dirs):
     model_dir = model_dirs["qwen3_moe"]
     plain = [r.token_ids for r in LLM(model_dir, dtype="float32").generate(_prompts(), GREEDY)]
     llm = LLM(model_dir, dtype="float32")
@@ -115,6 +116,19 @@ def test_activated_copy_streams_only_the_chosen_experts_on_each_rank(model_dirs)
         whole_share = ep.local.streamer.layers[0].nbytes() * len(ep.backends)
         for stats in ep.stream_stats():  # 16 experts, 39 tokens at top-2: some of each rank's 8 left unchosen
             assert stats.passes == 1 and 0 < stats.bytes < whole_share
+        # rank 0's own share fails once in the second MoE layer, after the worker got that layer's tokens: the
+        # step fails alone, and the worker's answer to it is not read as a later layer's
+        run, calls = ep.local.run, []
+
+        def failing_once(layer, *args):
+            calls.append(layer)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure")
+            return run(layer, *args)
+
+        ep.local.run = failing_once
+        assert "injected failure" in llm.generate(_prompts()[1], GREEDY)[0].error
+        assert [r.token_ids for r in llm.generate(_prompts(), GREEDY)] == plain
     finally:
         ep.close()
 

@@ -19,7 +19,7 @@ from hybridmoe.layers.moe.backend import ExpertWeights
 from hybridmoe.layers.moe.block import MoEBlock
 from hybridmoe.layers.moe.staging import DEFAULT_STAGING_BYTES
 from hybridmoe.layers.moe.stream_prefill import COPY_MODES, StreamStats
-from hybridmoe.parallel.backend import ChunkCopy, ExchangeStats, ExpertParallelBackend
+from hybridmoe.parallel.backend import ExchangeStats, ExpertParallelBackend, PassState
 from hybridmoe.parallel.group import RankGroup
 from hybridmoe.parallel.ownership import owned_experts
 from hybridmoe.parallel.share import ShareStreamer
@@ -57,9 +57,9 @@ class ExpertParallel:
         except BaseException:
             self.group.close()
             raise
-        chunk = ChunkCopy(copy if callable(copy) else lambda _tokens: copy, min(self.blocks))
+        state = PassState(copy if callable(copy) else lambda _tokens: copy, min(self.blocks))
         self.backends = {layer: ExpertParallelBackend(self.group, layer, moe.num_experts, self.local,
-                                                      self.accel.device, chunk, self.stats)
+                                                      self.accel.device, state, self.stats)
                          for layer in self.blocks}
         for layer, block in self.blocks.items():
             block.prefill_experts, block.prefill_min_tokens = self.backends[layer], min_tokens

@@ -13,11 +13,10 @@ Legend: T tokens, H hidden, K top-k, n tokens sent to one rank.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
-from collections.abc import Callable
 
 from hybridmoe.parallel.exchange import (OP_COMPUTE, TAG_HEADER, TAG_HIDDEN, TAG_IDS, TAG_OUTPUT, TAG_WEIGHTS,
                                          Dispatch, header, message_bytes, split_by_owner)
@@ -37,13 +36,16 @@ class ExchangeStats:
 
 
 @dataclass
-class ChunkCopy:
-    """The copy mode of the chunk in flight, chosen at its first MoE layer: `choose(tokens) -> "all" |
-    "activated"`, shared by a model's layers."""
+class PassState:
+    """What a model's layers share: the copy mode of the chunk in flight, chosen at its first MoE layer by
+    `choose(tokens) -> "all" | "activated"`, and the exchanges submitted but not yet waited for (a forward that
+    failed between a layer's submit and wait leaves them; the next submit drains them, so that a worker's late
+    answer is never read as another layer's)."""
 
     choose: Callable[[int], str]
     first_layer: int
     mode: str = "all"
+    unclaimed: list = field(default_factory=list)
 
 
 @dataclass
@@ -56,8 +58,8 @@ class _Pending:
 
 class ExpertParallelBackend:
     def __init__(self, group: RankGroup, layer: int, num_experts: int, local: ShareStreamer,
-                 local_device: torch.device, copy: ChunkCopy, stats: ExchangeStats | None = None):
-        self.group, self.layer, self.local, self.local_device, self.copy = group, layer, local, local_device, copy
+                 local_device: torch.device, state: PassState, stats: ExchangeStats | None = None):
+        self.group, self.layer, self.local, self.local_device, self.state = group, layer, local, local_device, state
         self.owner, self.local_index = owner_tables(num_experts, group.world_size)
         self.stats = stats if stats is not None else ExchangeStats()
         self.comm = local_device if group.backend == "nccl" else torch.device("cpu")
@@ -65,35 +67,44 @@ class ExpertParallelBackend:
 
     def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         self.group.check()
+        state = self.state
+        while state.unclaimed:
+            self._receive(state.unclaimed.pop())  # answers nobody waited for: read and dropped
         top_k = topk_ids.shape[1]
-        if self.layer == self.copy.first_layer:
-            self.copy.mode = self.copy.choose(hidden.shape[0])
+        if self.layer == state.first_layer:
+            state.mode = state.choose(hidden.shape[0])
         parts = split_by_owner(topk_ids.cpu(), topk_weights.cpu(), self.owner, self.local_index,
                                self.group.world_size)
-        pending = []
-        for part in parts[1:]:
-            pending.append(self._send(part, hidden, top_k))
+        pending = [self._send(part, hidden, top_k) for part in parts[1:]]
+        state.unclaimed.append(pending)
         self.stats.calls += 1
         self.stats.tokens += hidden.shape[0]
         mine = parts[0]
         out = self.local.run(self.layer, hidden.to(self.local_device), mine.local_ids.to(self.local_device),
-                             mine.weights.to(self.local_device), self.copy.mode)  # [T, H]
+                             mine.weights.to(self.local_device), state.mode)  # [T, H]
         return hidden, out, pending
 
     def wait(self, handle) -> torch.Tensor:
         hidden, out, pending = handle
+        if any(p is pending for p in self.state.unclaimed):
+            self.state.unclaimed.remove(pending)
+        for p in self._receive(pending):
+            out.index_add_(0, p.dispatch.rows.to(out.device), p.out.to(out.device))
+        return out.to(device=hidden.device, dtype=hidden.dtype)
+
+    def _receive(self, pending: list[_Pending]) -> list[_Pending]:
+        """Wait for the sends and the receive of each worker's exchange (each wait bounded by the timeout)."""
         for p in pending:
             try:
                 for work in p.works:
                     work.wait(self.timeout)
             except RuntimeError as error:
                 raise self.group.failed(p.dispatch.rank, error) from None
-            out.index_add_(0, p.dispatch.rows.to(out.device), p.out.to(out.device))
-        return out.to(device=hidden.device, dtype=hidden.dtype)
+        return pending
 
     def _send(self, part: Dispatch, hidden: torch.Tensor, top_k: int) -> _Pending:
         pg, rank, n = self.group.pg, part.rank, part.num_tokens
-        tensors = [(header(OP_COMPUTE, self.layer, n, top_k, self.copy.mode).to(self.comm), TAG_HEADER)]
+        tensors = [(header(OP_COMPUTE, self.layer, n, top_k, self.state.mode).to(self.comm), TAG_HEADER)]
         if n:
             tensors += [(hidden[part.rows.to(hidden.device)].to(self.comm).contiguous(), TAG_HIDDEN),
                         (part.local_ids.to(self.comm), TAG_IDS), (part.weights.to(self.comm), TAG_WEIGHTS)]

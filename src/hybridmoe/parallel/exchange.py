@@ -2,7 +2,7 @@
 
 gloo (the CPU stand-in's backend) has no all-to-all with uneven splits, and rank 0 is the only rank that holds the
 tokens (it runs attention; the workers hold experts only), so the exchange is a star of sends and receives, sizes
-first. Per MoE layer of a prefill chunk and per worker that owns at least one of the chunk's chosen experts:
+first. Per MoE layer of a prefill chunk and per worker:
 
     rank 0 -> worker  header int64 [5] = (OP_COMPUTE, layer, n, K, copy mode)   sizes first
     rank 0 -> worker  hidden [n, H] (compute dtype)                     the n tokens that route to its experts
