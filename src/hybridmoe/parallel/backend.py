@@ -48,7 +48,7 @@ class PassState:
     unclaimed: list = field(default_factory=list)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Pending:
     dispatch: Dispatch
     out: torch.Tensor  # [n, H] receive buffer
@@ -86,8 +86,7 @@ class ExpertParallelBackend:
 
     def wait(self, handle) -> torch.Tensor:
         hidden, out, pending = handle
-        if any(p is pending for p in self.state.unclaimed):
-            self.state.unclaimed.remove(pending)
+        self.state.unclaimed = [u for u in self.state.unclaimed if u is not pending]
         for p in self._receive(pending):
             out.index_add_(0, p.dispatch.rows.to(out.device), p.out.to(out.device))
         return out.to(device=hidden.device, dtype=hidden.dtype)
