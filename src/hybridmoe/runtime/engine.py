@@ -33,7 +33,7 @@ from hybridmoe.models.placement import load_plan_file, place_model, placement_re
 from hybridmoe.runtime.block_manager import BlockManager
 from hybridmoe.runtime.detokenizer import IncrementalDetokenizer
 from hybridmoe.runtime.logprobs import PromptLogprobs, TokenLogprobs, token_logprobs
-from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
+from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk, torch_threads_for_step
 from hybridmoe.runtime.request import Request, RequestStatus
 from hybridmoe.runtime.sampler import Sampler
 from hybridmoe.runtime.sampling_params import SamplingParams
@@ -343,6 +343,12 @@ class LLMEngine:
             block.prefill_min_tokens = sys.maxsize if decode_only else 1
         streamed = self._stream_stats() if self._stream_stats is not None else None
         stats.begin_step("decode" if decode_only else "prefill")
+        with torch_threads_for_step(sum(item.num_new_tokens for item in sched.scheduled)):  # sampling included
+            return self._forward_and_sample(sched, chunks, sample_rows, scoring_prompt, streamed)
+
+    def _forward_and_sample(self, sched, chunks, sample_rows, scoring_prompt, streamed):
+        """_run's forward, prompt scoring and sampling (inside its torch thread scope)."""
+        stats = self.run_stats
         logits = self.runner.forward(chunks, all_logits=bool(scoring_prompt))  # [S, V], or [T, V] when scoring
         if streamed is not None:
             now = self._stream_stats()

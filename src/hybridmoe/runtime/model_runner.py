@@ -10,6 +10,8 @@ Legend: T new tokens in the batch, S sequences, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +32,24 @@ class SequenceChunk:
 # Below this many tokens in a step, torch's own ops (attention, norms, small matmuls) run on one thread: their
 # work is microseconds, and waking a team of intra-op threads costs more than it saves (ten times more when
 # another process holds a core). The routed experts keep all cores through the C++ kernels' own pool. The
-# caller's thread count is restored after the step (larger steps use it).
+# caller's thread count is restored after the step (larger steps use it). The engine holds the same scope over
+# the step's sampling too: a multi-threaded op on the logits there left torch's OpenMP workers spinning into the next
+# step's kernels, and a loaded host stalled it at its barrier (decode 1.5x faster single-threaded on the 2-vCPU VM).
 SINGLE_THREAD_MAX_TOKENS = 64
+
+
+@contextmanager
+def torch_threads_for_step(num_tokens: int) -> Iterator[None]:
+    """torch's ops on one thread while a step of at most SINGLE_THREAD_MAX_TOKENS tokens runs (nested: no-op)."""
+    caller_threads = torch.get_num_threads()
+    single = num_tokens <= SINGLE_THREAD_MAX_TOKENS and caller_threads != 1
+    if single:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if single:
+            torch.set_num_threads(caller_threads)
 
 
 class ModelRunner:
@@ -73,13 +91,6 @@ class ModelRunner:
         logits_indices = None
         if not all_logits:
             logits_indices = torch.tensor(query_lens, dtype=torch.long).cumsum(0) - 1  # last token of each
-        caller_threads = torch.get_num_threads()
-        single = len(token_ids) <= SINGLE_THREAD_MAX_TOKENS and caller_threads != 1
-        if single:
-            torch.set_num_threads(1)
-        try:
+        with torch_threads_for_step(len(token_ids)):
             return self.model.forward(torch.tensor(token_ids, dtype=torch.long),
                                       torch.tensor(positions, dtype=torch.long), meta, self.kv_caches, logits_indices)
-        finally:
-            if single:
-                torch.set_num_threads(caller_threads)
