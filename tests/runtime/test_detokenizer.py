@@ -141,3 +141,19 @@ def test_random_stops_match_a_direct_search(tokenizer, seed):
 def test_bad_stop_strings_are_rejected(tokenizer):
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(tokenizer, [], stop=[""])
+
+
+def test_min_tokens_ignores_stop_strings_completed_by_the_first_tokens(tokenizer):
+    text = "one stop two stop three"
+    ids = tokenizer.encode(text)
+    first_stop_end = next(n for n in range(1, len(ids) + 1) if "stop" in tokenizer.decode(ids[:n]))
+    plain = IncrementalDetokenizer(tokenizer, [], stop=["stop"])
+    "".join(_stream(plain, ids))
+    assert plain.stopped and plain.text == "one "
+
+    held = IncrementalDetokenizer(tokenizer, [], stop=["stop"], min_tokens=first_stop_end)
+    pieces = _stream(held, ids)
+    assert held.stopped and held.text == "one stop two " == "".join(pieces)
+
+    never = IncrementalDetokenizer(tokenizer, [], stop=["stop"], min_tokens=len(ids))
+    assert "".join(_stream(never, ids)) == text and not never.stopped

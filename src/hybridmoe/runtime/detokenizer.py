@@ -8,6 +8,8 @@ streamed pieces concatenate to exactly decode(all output ids).
 
 Stop strings may span tokens. The detokenizer holds back the longest tail of the text that is still the
 start of some stop string; once a stop string appears, the text is cut right before it and `stopped` is set.
+With `min_tokens`, stop strings are looked for only from the token after the min_tokens-th on (as vLLM does): a
+stop string completed by one of the first min_tokens tokens is ordinary text.
 
 The last few prompt ids are decoded as context, so the first output token gets the spacing it has after
 the prompt (sentencepiece-style decoders drop a leading space at the very start of a text).
@@ -35,6 +37,7 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         skip_special_tokens: bool = True,
         stop: Sequence[str] | None = None,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
@@ -46,6 +49,7 @@ class IncrementalDetokenizer:
         context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
         if self._decode(context).endswith(_REPLACEMENT_CHAR):
             context = []  # the prompt ends mid-character: decode the output on its own
+        self._min_tokens, self._num_output_ids = min_tokens, 0
         self._ids: list[int] = context  # prompt context + output ids
         self._prefix_offset = 0  # window start: decode(ids[prefix:read]) is text already accounted for
         self._read_offset = len(context)  # ids before this are in self._text (or are prompt context)
@@ -64,6 +68,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._ids.append(int(token_id))
+        self._num_output_ids += 1
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window_text = self._decode(self._ids[self._prefix_offset :])
         if window_text.endswith(_REPLACEMENT_CHAR):
@@ -104,6 +109,8 @@ class IncrementalDetokenizer:
     def _find_stop(self) -> tuple[int, str | None]:
         """Earliest stop string in the not-yet-emitted text (emitted text never holds the start of one)."""
         best_at, best_string = len(self._text), None
+        if self._num_output_ids <= self._min_tokens:
+            return best_at, best_string
         for stop_string in self._stop:
             at = self._text.find(stop_string, self._num_emitted_chars)
             if at != -1 and at < best_at:

@@ -274,7 +274,7 @@ class LLMEngine:
         self.scheduler.add_request(request)  # validates lengths against the cache
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
-                                       stop=params.stop)
+                                       stop=params.stop, min_tokens=params.min_tokens)
         prompt_logprobs = (PromptLogprobs(prompt_ids, params.prompt_logprobs)
                            if params.prompt_logprobs is not None else None)
         self._states[req_id] = _RequestState(request, generator, detok, prompt_logprobs)
