@@ -194,3 +194,16 @@ def test_merged_outputs_keep_logprobs_and_stop_at_the_finished_one():
         q.get_nowait()
         assert isinstance(_coalesce(out([1], logprobs=False), q), RuntimeError)
     _run(main())
+
+
+def test_shutdown_closes_the_engine(model_dir):
+    """Shutdown stops what the engine started beside the model: stream-loading prefill's device slots go back."""
+    async def main():
+        engine, _ = await _started(model_dir, stream_prefill="on", vram="8GB", kv_cache_gb=0.01)
+        outs = [out async for out in engine.generate(PROMPTS[0], GREEDY)]
+        assert outs[-1].finish_reason == "length"
+        held = engine.engine.accel.ledger.held
+        assert any(name.startswith("slp.slot") for name in held)
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        assert not any(name.startswith("slp.slot") for name in held)
+    _run(main())

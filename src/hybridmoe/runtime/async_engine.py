@@ -91,7 +91,8 @@ class AsyncLLMEngine:
             raise EngineNotReadyError(f"the model failed to load: {self.load_error}") from self.load_error
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Refuse new requests, abort those in flight (their callers get finish_reason "abort"), stop the thread."""
+        """Refuse new requests, abort those in flight (their callers get finish_reason "abort"), stop the thread
+        and close the engine (LLMEngine.close)."""
         with self._lock:
             self._closed = True
         self._inbox.put(_STOP)
@@ -192,6 +193,7 @@ class AsyncLLMEngine:
         with self._lock:
             self._closed = True
             self._handle_commands(block=False)  # requests that arrived during the shutdown are refused
+        engine.close()  # worker ranks and device slots the engine started beside the model
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply the inbox's adds and aborts (waiting for one when block); True when shutdown was asked."""
