@@ -4,6 +4,7 @@ truncated, corrupted, too large), and the layer-by-layer reader."""
 from __future__ import annotations
 
 import struct
+import zlib
 
 import pytest
 import torch
@@ -76,6 +77,8 @@ def test_refuses_other_model_version_layout_and_capacity():
     struct.pack_into("<H", bumped, 4, P.FORMAT_VERSION + 1)
     _refused(bytes(bumped), "format version")
     _refused(b"GGUF" + data[4:], "not a SpectrumKV payload")
+    text = b'{"format": "hybridmoe-spectrumkv", "version": 1}'
+    _refused(P.PREFIX.pack(P.MAGIC, P.FORMAT_VERSION, 0, len(text), zlib.crc32(text)) + text, "no 'model'")
     with pytest.raises(P.PayloadError, match="exceeds the preallocated"):
         P.PayloadReader(data, capacity=len(data) - 1)
 

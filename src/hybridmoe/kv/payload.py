@@ -196,7 +196,13 @@ class PayloadReader:
         text = bytes(data[PREFIX.size: PREFIX.size + header_len])
         if zlib.crc32(text) != header_crc:
             raise PayloadError("corrupted payload: header checksum mismatch")
-        h = json.loads(text)
+        try:
+            h = json.loads(text)
+            self._check_header(h)
+        except (ValueError, KeyError, TypeError) as error:
+            if isinstance(error, PayloadError):
+                raise
+            raise PayloadError(f"malformed payload header: {error!r}") from error
         self.header = h
         if model is not None and h["model"] != model:
             raise PayloadError(f"payload is for model {h['model']}, this receiver serves {model}")
@@ -226,6 +232,17 @@ class PayloadReader:
         self.segments_offset = self.map_offset + _align(map_bytes)
         if self.segments_offset + self.layout.num_layers * self.segment.segment_bytes != h["total_bytes"]:
             raise PayloadError("corrupted payload: total size does not follow from the header")
+
+    @staticmethod
+    def _check_header(h: dict) -> None:
+        if h.get("format") != "hybridmoe-spectrumkv" or h.get("version") != FORMAT_VERSION:
+            raise PayloadError(f"header names format {h.get('format')!r} version {h.get('version')!r}")
+        for key in ("model", "layout", "full_dtype", "num_tokens", "tier_counts", "segment_bytes", "total_bytes",
+                    "tier_map_crc"):
+            if key not in h:
+                raise PayloadError(f"malformed payload header: no {key!r}")
+        if h["full_dtype"] not in FULL_DTYPES:
+            raise PayloadError(f"payload's full-precision dtype {h['full_dtype']!r} is not one of {sorted(FULL_DTYPES)}")
 
     @property
     def total_bytes(self) -> int:
