@@ -46,6 +46,13 @@ def add_hybrid_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run the plan in FILE (written by `hybridmoe plan --json`) instead of planning at load")
     group.add_argument("--routing", default=None, metavar="FILE",
                        help="routing statistics (`hybridmoe profile --routing-model`): the hot experts to place")
+    overlap = group.add_mutually_exclusive_group()
+    overlap.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
+                         help="dual-batch overlap of decode steps: two micro-batches, one's attention on the accelerator "
+                              "while the CPU computes the other's routed experts. auto (default): under hybrid "
+                              "execution where the plan predicts a gain, off on the plain CPU engine")
+    overlap.add_argument("--no-overlap", dest="overlap", action="store_const", const="off",
+                         help="decode steps run whole (the same as --overlap off)")
     group.add_argument("--verbose", action="store_true",
                        help="print the plan and what was placed where at load, and what ran where after generating")
 
@@ -55,7 +62,7 @@ def engine_config(args: argparse.Namespace, **more) -> EngineConfig:
     return EngineConfig(dtype=args.dtype, kv_cache_gb=args.kv_cache_gb, expert_backend=args.expert_backend,
                         enable_prefix_caching=args.enable_prefix_caching, device=args.device, vram=args.vram,
                         num_gpus=args.num_gpus, stream_prefill=args.stream_prefill, plan=args.plan,
-                        routing=args.routing, verbose=args.verbose, **more)
+                        routing=args.routing, verbose=args.verbose, overlap=args.overlap, **more)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:

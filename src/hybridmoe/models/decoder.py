@@ -29,6 +29,7 @@ from hybridmoe.models.attention import Attention, attention_kind
 from hybridmoe.models.weight_loader import WeightLoader
 
 if TYPE_CHECKING:
+    from hybridmoe.models.dual_batch import DualBatch
     from hybridmoe.models.placement import DevicePlacement
 
 ExpertBackendFactory = Callable[[ExpertWeights], ExpertBackend]  # computes in the hidden states' dtype
@@ -50,6 +51,8 @@ class MoEDecoderModel:
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
         # where the parts run when a plan placed some on the accelerator (models.placement.place_model)
         self.device_placement: DevicePlacement | None = None
+        # dual-batch overlap of decode steps (models/dual_batch.py; the engine sets it from EngineConfig.overlap)
+        self.dual_batch: DualBatch | None = None
 
     def add_routing_observer(self, observe: Callable[[int, torch.Tensor], None]) -> Callable[[], None]:
         """Call observe(layer_index, topk_ids [T, K]) at every MoE layer of every forward (routing statistics);
@@ -96,6 +99,8 @@ class MoEDecoderModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> logits [len(logits_indices) or T, V] float32 (on the host)."""
+        if self.dual_batch is not None and self.dual_batch.applies(self, meta):
+            return self.dual_batch.forward(self, input_ids, positions, meta, kv_caches, logits_indices)
         if self.device_placement is not None:
             return self._forward_placed(input_ids, positions, meta, kv_caches, logits_indices)
         eps = self.config.rms_norm_eps

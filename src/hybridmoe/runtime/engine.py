@@ -28,6 +28,8 @@ from hybridmoe.checkpoint.default_model import resolve_model_dir
 from hybridmoe.config import load_config
 from hybridmoe.layers.moe.block import MoEBlock
 from hybridmoe.layers.moe.hybrid_backend import TimedOnDevice
+from hybridmoe.models.dual_batch import OVERLAP_CHOICES, plan_tiers
+from hybridmoe.models.dual_batch import choose as choose_dual_batch
 from hybridmoe.models.loader import load_model, resolve_dtype
 from hybridmoe.models.placement import load_plan_file, place_model, placement_report, plan_placement
 from hybridmoe.runtime.block_manager import BlockManager
@@ -60,8 +62,13 @@ class EngineConfig:
     routing: str | None = None  # routing statistics (`hybridmoe profile --routing-model`): which experts are hot
     profile: str | None = None  # hardware profile to plan with (default: ~/.cache/hybridmoe/profile.json if any)
     verbose: bool = False  # print the plan and what was placed where at load
+    # dual-batch overlap of decode steps (docs/hybrid.md): auto (under hybrid execution where the plan predicts a
+    # gain; off on the plain CPU engine) | on | off
+    overlap: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.overlap not in OVERLAP_CHOICES:
+            raise ValueError(f"overlap must be auto, on or off, got {self.overlap!r}")
         if self.stream_prefill not in ("auto", "on", "off"):
             raise ValueError(f"stream_prefill must be auto, on or off, got {self.stream_prefill!r}")
         if not isinstance(self.num_gpus, Integral) or isinstance(self.num_gpus, bool) or self.num_gpus < 1:
@@ -152,6 +159,9 @@ class LLMEngine:
         if hybrid_wanted(cfg):
             self._place(num_blocks * cfg.block_size * self.model.kv_bytes_per_token())
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
+        self.model.dual_batch, self.overlap_note = choose_dual_batch(
+            cfg.overlap, self.placement is not None,
+            plan_tiers(self.placement.plan if self.placement is not None else None, cfg.plan))
         self._stream_gate: list = []  # MoE blocks whose streaming prefill is switched per step (stream_prefill="on")
         self._stream_stats = None  # stream-loading prefill's StreamStats, read after each step
         try:
@@ -163,6 +173,8 @@ class LLMEngine:
             print(placement_report(self.placement, self.accel), file=sys.stderr)
         if cfg.verbose and self.prefill_note:
             print(self.prefill_note, file=sys.stderr)
+        if cfg.verbose:
+            print(self.overlap_note, file=sys.stderr)
         wanted = cfg.max_model_len or self.model_config.max_position_embeddings
         cache_tokens = num_blocks * cfg.block_size
         self.max_model_len = min(wanted, cache_tokens)

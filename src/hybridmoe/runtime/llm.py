@@ -31,7 +31,7 @@ class LLM:
         fields of EngineConfig (block_size, kv_cache_gb, max_num_seqs, max_num_batched_tokens, max_model_len,
         expert_backend, enable_prefix_caching; and where it runs, docs/hybrid.md: device="auto"|"cpu"|"cuda",
         vram="24GB"|None, num_gpus=1, stream_prefill="auto"|"on"|"off", plan=None|path, routing=None|path,
-        verbose)."""
+        verbose, overlap="auto"|"on"|"off": dual-batch overlap of decode steps)."""
         self.engine = LLMEngine(model, EngineConfig(dtype=dtype, **engine_options))
         self.tokenizer = self.engine.tokenizer
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.layers.moe.backend import ExpertBackend
@@ -25,13 +26,31 @@ class MoEBlock:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]. The shared experts run between submit and wait, overlapping routed work."""
+        return self.finish(self.start(x))
+
+    def start(self, x: torch.Tensor) -> "PendingMoE":
+        """The first half of forward: route x [T, H] and submit its routed experts (they compute on the backend's
+        own threads from here on); the caller may run other work before `finish` (dual-batch decode runs the
+        other micro-batch's attention there: models/dual_batch.py)."""
         topk_ids, topk_weights = self.router.route(x)  # [T, K], [T, K]
         for observe in self.routing_observers:
             observe(topk_ids)
         experts = self.experts
         if self.prefill_experts is not None and x.shape[0] >= self.prefill_min_tokens:
             experts = self.prefill_experts
-        handle = experts.submit(x, topk_ids, topk_weights)
-        shared = self.shared.forward(x) if self.shared is not None else None
-        routed = experts.wait(handle)
+        return PendingMoE(x, experts, experts.submit(x, topk_ids, topk_weights))
+
+    def finish(self, pending: "PendingMoE") -> torch.Tensor:
+        """The second half: the shared experts, then wait for the routed ones -> [T, H]."""
+        shared = self.shared.forward(pending.x) if self.shared is not None else None
+        routed = pending.experts.wait(pending.handle)
         return routed if shared is None else routed + shared
+
+
+@dataclass
+class PendingMoE:
+    """A MoE block's call between `start` and `finish`: its input and the routed experts' submitted handle."""
+
+    x: torch.Tensor  # [T, H]
+    experts: ExpertBackend  # the backend the work went to (the layer's, or the prefill one)
+    handle: object
