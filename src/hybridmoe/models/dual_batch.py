@@ -38,6 +38,7 @@ from hybridmoe.layers.moe.block import MoEBlock, PendingMoE
 from hybridmoe.layers.norm import rms_norm
 from hybridmoe.layers.paged_attention import AttentionMetadata
 from hybridmoe.models.decoder import MoEDecoderModel, _metadata_to
+from hybridmoe.placement import estimate
 
 MIN_SEQS = 2  # a step of fewer sequences runs whole
 HOST = torch.device("cpu")
@@ -146,11 +147,31 @@ class DualBatch:
 OVERLAP_CHOICES = ("auto", "on", "off")
 
 
-def plan_tiers(plan=None, plan_file: str | Path | None = None) -> tuple[tuple[int, bool], ...]:
-    """(batch, dual_batch) of each decode tier of a plan (placement.planner.Plan), else of a plan file written by
-    `hybridmoe plan --json` (its "tiers"); () when neither has any."""
-    if plan is not None:
-        return tuple((t.batch, bool(t.dual_batch)) for t in plan.tiers)
+EVERY_BATCH_UP_TO = 64  # predicted per batch size up to this many sequences, then at powers of two
+
+
+def predicted_tiers(builder, context: int, max_num_seqs: int) -> tuple[tuple[int, bool], ...]:
+    """(batch, whether two micro-batches are predicted faster) for the decode batches an engine of max_num_seqs
+    runs: `placement.estimate.decode` with and without dual_batch, routed experts on the CPU (as hybrid decode runs
+    them), over the plan's PassBuilder (`builder`) at its `context`."""
+    sizes = list(range(MIN_SEQS, min(max_num_seqs, EVERY_BATCH_UP_TO) + 1))
+    size = EVERY_BATCH_UP_TO * 2
+    while size < max_num_seqs:
+        sizes.append(size)
+        size *= 2
+    if max_num_seqs > EVERY_BATCH_UP_TO:
+        sizes.append(max_num_seqs)
+    return tuple((batch, estimate.decode(builder, batch, context, True, "cpu").step_s
+                  < estimate.decode(builder, batch, context, False, "cpu").step_s) for batch in sizes)
+
+
+def plan_tiers(placement=None, plan_file: str | Path | None = None,
+               max_num_seqs: int = 1) -> tuple[tuple[int, bool], ...]:
+    """(batch, dual_batch) where the plan predicts it: per decode batch size from the planner's estimate when the
+    engine planned here (`placement.plan` and its `builder`: predicted_tiers), else the tiers of a plan file written
+    by `hybridmoe plan --json` (its "tiers"); () when there is neither."""
+    if placement is not None and placement.plan is not None and placement.builder is not None:
+        return predicted_tiers(placement.builder, placement.plan.context, max_num_seqs)
     if plan_file is None:
         return ()
     try:
@@ -177,10 +198,20 @@ def choose(overlap: str, hybrid: bool, tiers: tuple[tuple[int, bool], ...]) -> t
         return None, "dual-batch overlap: off (the plain CPU engine: no accelerator to overlap with)"
     wanted = sorted(batch for batch, dual in tiers if dual)
     if not wanted:
-        return None, "dual-batch overlap: off (" + ("the plan predicts no gain at its batch tiers" if tiers else
+        return None, "dual-batch overlap: off (" + ("the plan predicts no gain at any decode batch" if tiers else
                                                    "the plan has no decode tiers") + ")"
-    return DualBatch(tiers), (f"dual-batch overlap: on where the plan predicts a gain (batch tiers "
-                              f"{', '.join(map(str, wanted))} of {', '.join(str(b) for b, _ in sorted(tiers))})")
+    return DualBatch(tiers), f"dual-batch overlap: on where the plan predicts a gain (batches of {_ranges(wanted)})"
+
+
+def _ranges(values: list[int]) -> str:
+    """Sorted ints as runs: [2, 3, 4, 8] -> '2-4, 8' sequences."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) + " sequences"
 
 
 @dataclass

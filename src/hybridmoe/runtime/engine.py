@@ -161,7 +161,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
         self.model.dual_batch, self.overlap_note = choose_dual_batch(
             cfg.overlap, self.placement is not None,
-            plan_tiers(self.placement.plan if self.placement is not None else None, cfg.plan))
+            plan_tiers(self.placement, cfg.plan, cfg.max_num_seqs))
         self._stream_gate: list = []  # MoE blocks whose streaming prefill is switched per step (stream_prefill="on")
         self._stream_stats = None  # stream-loading prefill's StreamStats, read after each step
         try:
