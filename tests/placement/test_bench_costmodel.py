@@ -74,7 +74,7 @@ def test_bench_writes_a_row_per_case_predicted_from_the_tables_it_wrote(tiny_mod
     models = [tiny_model_dir("deepseek_v3"), qwen_shaped_model(1, tmp_path, shape=MINI)]
     out, tables_out = tmp_path / "rows.json", tmp_path / "tables.json"
     assert main(["bench", "costmodel", "--models", ",".join(map(str, models)), "--rounds", "2", "--repeats", "1",
-                 "--case-seconds", "0", "--json", str(out), "--tables", str(tables_out)]) == 0
+                 "--case-seconds", "0", "--cases", "cpu", "--json", str(out), "--tables", str(tables_out)]) == 0
     assert "cases within 15%" in capsys.readouterr().out
     rows, tables = json.loads(out.read_text()), json.loads(tables_out.read_text())
     names = [f"{m.name} {case}" for m in models for case in ("decode(ctx=128)", "prefill(128)", "prefill(512)")]

@@ -65,3 +65,21 @@ def test_by_layer_sums_wall_time_and_bytes():
 def test_rejects_zero_buffers():
     with pytest.raises(ValueError, match="buffer"):
         run([Unit("a", 0, gpu_s=1.0)], buffers=0)
+
+
+def test_without_overlap_copies_and_compute_share_one_track():
+    """The CPU stand-in: its copies take the cores its compute needs, so nothing overlaps."""
+    units = [Unit("u", i, gpu_s=1.0, copy_s=2.0) for i in range(4)]
+    assert run(units, buffers=2).total_s == pytest.approx(4 * 2.0 + 1.0)  # copy-bound, compute hidden
+    assert run(units, buffers=2, overlap=False).total_s == pytest.approx(4 * (2.0 + 1.0))
+
+
+def test_only_the_stand_in_keeps_copies_off_its_compute():
+    from dataclasses import replace
+
+    from hybridmoe.placement.hardware import reference_profile
+    from hybridmoe.placement.schedule import copies_overlap
+
+    gpu = reference_profile("rtx4090").gpu
+    assert copies_overlap(gpu) and copies_overlap(None)
+    assert not copies_overlap(replace(gpu, stand_in=True))

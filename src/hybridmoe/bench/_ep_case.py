@@ -16,8 +16,9 @@ x hidden in the compute dtype, latency included). The prediction never sees an e
 
 Each round also streams the same chunk on one rank alone (the SLP case's engine path) next to the planner's
 one-GPU schedule, so the row carries the 2-rank speedup, measured and predicted. On the 2-core stand-in both ranks,
-each with a compute thread and a copy thread, share the same two cores; the planner assumes independent GPUs,
-each with its own copy engine. The rows say the load average.
+each with a compute thread and a copy thread, share the same two cores: the prediction gives each stand-in rank
+its share of the host's measured rates (1/N) and no copy/compute overlap (schedule.copies_overlap), where real
+GPUs would each bring their own. The rows say the load average.
 """
 
 from __future__ import annotations
@@ -122,17 +123,20 @@ def predict(config, counts: list[list[int]], copy_gbs: float, compute_s: float, 
     from hybridmoe.placement.modelspec import ModelSpec
     from hybridmoe.placement.passes import PassBuilder, Residency
     from hybridmoe.placement.routing import RoutingStats
-    from hybridmoe.placement.schedule import run
+    from hybridmoe.placement.schedule import copies_overlap, run
 
     spec = ModelSpec(config)
     moe_layers = tuple(l.index for l in spec.moe_layers)
     pairs = EP_CHUNK * spec.top_k * len(moe_layers)
     tflops = 2.0 * spec.moe_layers[0].expert * pairs / compute_s / 1e12
+    stand_in = not torch.cuda.is_available()
+    if stand_in:  # the ranks stand in on one host: they share its cores and memory bandwidth
+        tflops, copy_gbs = tflops / EP_GPUS, copy_gbs / EP_GPUS
     table = [(1.0, tflops), (1e6, tflops)]
     gpu = hardware.GpuSpec(name="stand-in", description="the CPU standing in, as measured in this round",
                            memory_gb=1e3, reserved_gb=0.0, memory_gbs=1e6, memory_efficiency=1.0,
                            peak_tflops={"fp32": tflops, "bf16": tflops}, matmul_efficiency=1.0, h2d_gbs=copy_gbs,
-                           d2h_gbs=copy_gbs, link_latency_us=0.0, p2p_gbs=p2p_gbs, stand_in=True,
+                           d2h_gbs=copy_gbs, link_latency_us=0.0, p2p_gbs=p2p_gbs, stand_in=stand_in,
                            matmul_table={"fp32": table, "bf16": table})
     cpu = replace(hardware.reference_profile("desktop-2ch").cpu, memory_read_gbs=1e6)  # never caps the link
     routing = RoutingStats.from_counts(moe_layers, np.array(counts), spec.top_k)
@@ -141,7 +145,7 @@ def predict(config, counts: list[list[int]], copy_gbs: float, compute_s: float, 
     slot = max(cost.layer_expert_bytes(l) for l in moe_layers) / EP_GPUS
     units = [u for u in builder.prefill_units("slp", EP_CHUNK, 0, last=False, gpus=EP_GPUS, slot_bytes=slot,
                                               parallel="rank0") if u.name in ("experts", "dispatch", "combine")]
-    return run(units, buffers=2)
+    return run(units, buffers=2, overlap=copies_overlap(gpu))
 
 
 def ep_rows(model_dir: Path, dtype: torch.dtype, rounds: int, threads: int, log=print) -> list[dict]:

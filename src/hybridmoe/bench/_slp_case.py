@@ -109,7 +109,7 @@ def predict(config, chunk: int, copy: str, counts: list[list[int]], copy_gbs: fl
     from hybridmoe.placement.modelspec import ModelSpec
     from hybridmoe.placement.passes import PassBuilder, Residency
     from hybridmoe.placement.routing import RoutingStats
-    from hybridmoe.placement.schedule import run
+    from hybridmoe.placement.schedule import copies_overlap, run
 
     spec = ModelSpec(config)
     moe_layers = tuple(l.index for l in spec.moe_layers)
@@ -119,7 +119,7 @@ def predict(config, chunk: int, copy: str, counts: list[list[int]], copy_gbs: fl
     gpu = hardware.GpuSpec(name="stand-in", description="the CPU standing in, as measured in this round",
                            memory_gb=1e3, reserved_gb=0.0, memory_gbs=1e6, memory_efficiency=1.0,
                            peak_tflops={"fp32": tflops, "bf16": tflops}, matmul_efficiency=1.0, h2d_gbs=copy_gbs,
-                           d2h_gbs=copy_gbs, link_latency_us=1.0, stand_in=True,
+                           d2h_gbs=copy_gbs, link_latency_us=1.0, stand_in=not torch.cuda.is_available(),
                            matmul_table={"fp32": table, "bf16": table})
     cpu = replace(hardware.reference_profile("desktop-2ch").cpu, memory_read_gbs=1e6)  # never caps the link
     routing = RoutingStats.from_counts(moe_layers, np.array(counts), spec.top_k)
@@ -128,7 +128,7 @@ def predict(config, chunk: int, copy: str, counts: list[list[int]], copy_gbs: fl
     slot = max(cost.layer_expert_bytes(l) for l in moe_layers)
     units = [u for u in builder.prefill_units("slp", chunk, 0, last=False, slot_bytes=slot,
                                               activated_only=copy == "activated") if u.name == "experts"]
-    return run(units, buffers=2)
+    return run(units, buffers=2, overlap=copies_overlap(gpu))
 
 
 def slp_rows(model_dir: Path, dtype: torch.dtype, rounds: int, threads: int, log=print) -> list[dict]:

@@ -206,7 +206,6 @@ def run(args) -> int:
     cases = {c.strip() for c in args.cases.split(",") if c.strip()}
     if not cases or cases - {"cpu", "slp", "ep"}:
         raise SystemExit(f"--cases: choose from cpu, slp, ep (got {args.cases!r})")
-    run_slp, run_ep = "slp" in cases, "ep" in cases  # `cases` is reused below for the cpu case's steps
     if "cpu" not in cases:
         models = {}
     elif args.models:
@@ -223,10 +222,10 @@ def run(args) -> int:
         case = EngineCase(model_dir)
         with tempfile.TemporaryDirectory() as scratch:
             tables = OpTableBench(case.model, model_dir, Path(scratch) / label)
-        cases = [("decode", 1, DECODE_CONTEXT, f"decode(ctx={DECODE_CONTEXT})")]
-        cases += [("prefill", n, 0, f"prefill({n})") for n in PREFILLS]
+        steps = [("decode", 1, DECODE_CONTEXT, f"decode(ctx={DECODE_CONTEXT})")]
+        steps += [("prefill", n, 0, f"prefill({n})") for n in PREFILLS]
         written[label] = {"rounds": [], "routing": {name: case.routing(kind, tokens, context)
-                                                    for kind, tokens, context, name in cases}}
+                                                    for kind, tokens, context, name in steps}}
         for r in range(args.rounds):
             print(f"{label} round {r + 1}/{args.rounds}: op tables, then steps ({args.threads} thread(s), {dtype}) ...",
                   flush=True)
@@ -234,7 +233,7 @@ def run(args) -> int:
             op_tables = tables.measure()
             written[label]["rounds"].append(op_tables.to_json())
             cpu = engine_cpu(op_tables, log=lambda _: None) if cpu is None else replace(cpu, op_tables=op_tables)
-            for kind, tokens, context, name in cases:
+            for kind, tokens, context, name in steps:
                 measured = statistics.median(case.times(kind, tokens, context, args.repeats, args.case_seconds))
                 timeline = predict(cpu, case.config, kind, tokens, context, written[label]["routing"][name])
                 per_round.setdefault((label, name), []).append((timeline, measured))
@@ -242,12 +241,12 @@ def run(args) -> int:
         gc.collect()
     loads.append(os.getloadavg()[0])
     rows = [_row(f"{label} {name}", results, args.threads, loads) for (label, name), results in per_round.items()]
-    if run_slp:
+    if "slp" in cases:
         from hybridmoe.bench._slp_case import SLP_LAYERS, SLP_SHAPE, slp_rows
 
         model_dir = qwen_shaped_model(SLP_LAYERS, Path(args.cache) if args.cache else None, SLP_SHAPE)
         rows += slp_rows(model_dir, dtype, args.rounds, args.threads)
-    if run_ep:
+    if "ep" in cases:
         from hybridmoe.bench._ep_case import ep_rows
         from hybridmoe.bench._slp_case import SLP_LAYERS, SLP_SHAPE
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridmoe.placement.passes import PassBuilder, default_slot_bytes
-from hybridmoe.placement.schedule import Timeline, Unit, run
+from hybridmoe.placement.schedule import Timeline, Unit, copies_overlap, run
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def prefill(builder: PassBuilder, strategy: str, prompt: int, chunk: int | None 
             units += builder.prefill_units(strategy, size, offset, last=offset + size >= prompt, gpus=gpus,
                                            slot_bytes=slot, activated_only=activated_only, parallel=parallel,
                                            prefetch=prefetch)
-        timeline = run(units, buffers=slots)
+        timeline = run(units, buffers=slots, overlap=copies_overlap(builder.cost.gpu))
         variant = ("activated-only" if activated_only else "whole-layer prefetch") if strategy == "slp" else ""
         estimate = PrefillEstimate(strategy, prompt, chunk, gpus, timeline.total_s, timeline, variant)
         if best is None or estimate.ttft_s < best.ttft_s:
@@ -135,7 +135,7 @@ def decode(builder: PassBuilder, batch: int, context: int, dual_batch: bool = Fa
     if dual_batch and batch >= 2:
         return _dual_batch(builder, batch, context, experts_on)
     units, where = builder.decode_units(batch, context, experts_on)
-    timeline = run(units)
+    timeline = run(units, overlap=copies_overlap(builder.cost.gpu))
     return DecodeEstimate(batch, context, timeline.total_s, False, timeline, where)
 
 
@@ -182,7 +182,7 @@ def disaggregated(builder: PassBuilder, prefill_estimate: PrefillEstimate, batch
     cost = builder.cost
     slowdown = cost.copy_slowdown() if prefill_estimate.strategy == "slp" else 1.0
     during = run([Unit(u.name, u.layer, u.gpu_s, u.cpu_s / slowdown, u.handoff_s, u.copy_s, u.copy_bytes)
-                  for u in units]).total_s
+                  for u in units], overlap=copies_overlap(cost.gpu)).total_s
     gpu_busy = sum(u.gpu_s for u in units) / during  # share of accelerator time decode takes
     ttft = prefill_estimate.ttft_s / max(1e-6, 1.0 - gpu_busy)
     return DisaggregatedEstimate(alone, during, prefill_estimate, ttft)

@@ -7,6 +7,9 @@ the copy of streamed unit k may start once the copy before it has finished and t
 slot (streamed unit k - buffers) has finished computing. With two slots this is the double buffer: the copy
 of split i+1 overlaps the compute of split i, and the copy of layer l+1's first split overlaps layer l.
 
+On the CPU standing in for an accelerator the "copy engine" is a memcpy on the same cores that compute, so a copy
+and a compute do not run at once: `run(..., overlap=False)` (see `copies_overlap`) puts them on one track.
+
 `run` returns the total time and per-unit start/end times; `by_layer` sums them per layer.
 """
 
@@ -64,8 +67,14 @@ class Timeline:
         return out
 
 
-def run(units: list[Unit], buffers: int = 2) -> Timeline:
-    """Simulate the units in order (see module docstring)."""
+def copies_overlap(gpu) -> bool:
+    """Whether this accelerator (a hardware.GpuSpec, or None) copies while it computes: a GPU's copy engine does;
+    the CPU stand-in's copies take the cores its compute needs."""
+    return gpu is None or not gpu.stand_in
+
+
+def run(units: list[Unit], buffers: int = 2, overlap: bool = True) -> Timeline:
+    """Simulate the units in order (see module docstring); overlap=False: copies and compute share one track."""
     if buffers < 1:
         raise ValueError(f"need at least one copy buffer, got {buffers}")
     timeline = Timeline(0.0, units=list(units))
@@ -78,7 +87,7 @@ def run(units: list[Unit], buffers: int = 2) -> Timeline:
             copy_end = 0.0
             if copy_s > 0:
                 slot_free = streamed_ends[-buffers] if len(streamed_ends) >= buffers else 0.0
-                ready = compute_free if unit.copy_waits and k == 0 else 0.0
+                ready = compute_free if (unit.copy_waits and k == 0) or not overlap else 0.0
                 copy_end = max(copy_free, slot_free, ready) + copy_s
                 copy_free = copy_end
             begin = compute_free if compute_free > copy_end else copy_end
