@@ -296,6 +296,52 @@ class LLMEngine:
         if req_id in self._states:
             self.scheduler.abort_request(req_id)
 
+    # ---- prefill/decode disaggregation (hybridmoe.disagg): a request moves between two engines with its KV ----
+
+    def detach_request(self, req_id: str) -> torch.Generator | None:
+        """Forget req_id without reporting it: another engine carries on with it (its KV was copied out of this
+        engine's cache first). Its blocks are freed (full ones stay in the prefix cache); returns its sampling
+        generator (seeded requests), whose state the other engine continues from."""
+        state = self._states.pop(req_id)
+        self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED, "detached")
+        return state.generator
+
+    def can_adopt(self, num_tokens: int) -> bool:
+        """Whether the free KV blocks hold a request of num_tokens computed tokens plus its next one."""
+        manager = self.scheduler.block_manager
+        return manager.blocks_needed(num_tokens + 1) <= manager.num_free_blocks
+
+    def adopt_request(self, prompt_ids: list[int], params: SamplingParams, req_id: str, first_token: int,
+                      write_kv, generator_state: torch.Tensor | None = None) -> None:
+        """Take over a request whose prompt another engine prefilled and whose first token it sampled and
+        reported: the request runs here from its second token on. write_kv(block_table) fills this engine's
+        cache (`runner.kv_caches`) with the prompt's KV at the table's slots. Raises ValueError when the request
+        cannot be served here (as add_request), or when the KV blocks are not free (check can_adopt first)."""
+        self.add_request(prompt_ids, params, req_id)
+        state = self._states[req_id]
+        request = state.request
+        scheduler, manager = self.scheduler, self.scheduler.block_manager
+        if not manager.allocate_slots(request, len(prompt_ids) + 1):
+            del self._states[req_id]
+            scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
+            raise ValueError(f"request {req_id!r}: no free KV blocks for its {len(prompt_ids)} tokens")
+        try:
+            write_kv(manager.get_block_table(req_id))
+        except BaseException:
+            del self._states[req_id]
+            scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
+            raise
+        scheduler.waiting.remove(request)
+        request.num_computed_tokens = len(prompt_ids)
+        manager.cache_full_blocks(request)
+        request.status = RequestStatus.RUNNING
+        scheduler.running.append(request)
+        request.append_output_token(first_token)  # the prefilling engine ended requests that stop here
+        state.detok.add(first_token)  # its text went out with the prefilling engine's output
+        state.first_token_time = time.monotonic()
+        if generator_state is not None and state.generator is not None:
+            state.generator.set_state(generator_state)
+
     def stats(self) -> SchedulerStats:
         """Requests running and waiting, KV blocks used / free / cached, and cumulative counters (prefix-cache
         queries and hits and tokens computed, in tokens; preemptions): see SchedulerStats, docs/runtime.md."""

@@ -1,0 +1,12 @@
+"""Prefill/decode disaggregation on one machine (docs/serving.md, "Prefill/decode disaggregation").
+
+A prefill worker process and a decode worker process, each with its own `LLMEngine` (its own accelerator context on
+CUDA), both mapping the same checkpoint pages, under one front that the server talks to as an `EngineClient`.
+New prompts go to the prefill worker; once a prompt's KV is complete and its first token sampled, the request
+moves to the decode worker with its KV, packed as a SpectrumKV payload (kv/payload.py) in a shared-memory segment.
+
+Modules: `shm` (named shared-memory segments under one owner's prefix, swept on exit), `handoff` (a request's
+KV out of one engine's paged cache into a payload, and from a payload into another's), `messages` (what the front
+and the workers say over their pipes), `worker` (a worker process's main loop), `engine` (`PDEngine`, the front:
+spawns and watches the workers, routes requests, restarts a worker that died).
+"""
