@@ -34,6 +34,13 @@ def register(subparsers) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM/SIGINT, seconds the requests in flight may take to finish before they are "
                              "aborted (default 30)")
+    group = parser.add_argument_group("prefill/decode disaggregation (docs/serving.md)")
+    group.add_argument("--pd", action="store_true",
+                       help="prefill and decode in two worker processes on this machine, sharing the weights' pages; "
+                            "a prompt's KV moves to the decode worker once its first token is sampled")
+    group.add_argument("--kv-budget", type=float, default=1.0,
+                       help="with --pd: the KV handoff's SpectrumKV budget, 1.0 (full precision, default) down to "
+                            "0.25 (INT8 for the less important tokens below 1, INT4 below 0.5)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(func=run)
 
@@ -49,5 +56,12 @@ def run(args) -> int:
     settings = ServerSettings(served_model_name=args.served_model_name or str(args.model), api_key=args.api_key,
                               max_waiting_requests=args.max_waiting_requests,
                               max_request_bytes=args.max_request_bytes)
-    engine = AsyncLLMEngine(args.model, config)
+    if args.pd:
+        from hybridmoe.disagg.engine import PDEngine
+
+        engine = PDEngine(args.model, config, kv_budget=args.kv_budget)
+    else:
+        if args.kv_budget != 1.0:
+            raise ValueError("--kv-budget sets the KV handoff of --pd; without --pd there is none")
+        engine = AsyncLLMEngine(args.model, config)
     return run_server(engine, settings, args.host, args.port, args.shutdown_timeout, args.log_level)
