@@ -335,21 +335,21 @@ void run_moe(nb::object self_obj, nb::object hidden_obj, nb::object ids_obj, nb:
 void matmul(const PyMatrix& w, nb::object x_obj, nb::object out_obj, const std::string& path) {
   const Array x = nb::cast<Array>(x_obj, false);
   const MutArray out = nb::cast<MutArray>(out_obj, false);
-  check_2d("x", x, {kF32});
+  check_2d("x", x, {kF32, kBF16});
   const int64_t M = x.shape(0);
   check_shape("x", x, M, w.m.cols);
-  check_2d("out", out, {kF32});
+  check_2d("out", out, {kF32, kBF16});
   check_shape("out", out, M, w.m.rows);
   if (M > 1 && out.stride(0) != w.m.rows) fail("out", "must be contiguous");
   const MatmulPath p = parse_path(path);
   const KernelTable* kt = active_kernels();
-  const float* xp = static_cast<const float*>(x.data());
+  const void* xp = x.data();
+  const bool x_bf16 = x.dtype() == kBF16, y_bf16 = out.dtype() == kBF16;
   const int64_t ldx = M > 1 ? x.stride(0) : w.m.cols;
-  float* yp = static_cast<float*>(out.data());
+  void* yp = out.data();
   const Matrix m = w.m;
-  run_sync([=] { run_matmul(m, xp, M, ldx, yp, p, *kt, global_pool()); });
+  run_sync([=] { run_matmul(m, xp, x_bf16, M, ldx, yp, y_bf16, p, *kt, global_pool()); });
 }
-
 
 AttnType attn_type(const std::string& what, DT d) {
   if (d == kF32) return AttnType::F32;
@@ -530,7 +530,7 @@ NB_MODULE(_native, mod) {
           "Paged decode attention (one query per sequence, blocking): out[s, h] = softmax(q[s, h] . K^T * scale) V "
           "over sequence s's first seq_lens[s] keys, read through block_tables[s] from k_cache / v_cache [num_blocks, "
           "block_size, Nk, D / Dv]; query head h reads KV head h // (N / Nk); window > 0: only the last `window` keys.");
-  mod.def("matmul", &matmul, "w"_a, "x"_a, "out"_a, "path"_a = "auto", "out[M, N] = x[M, K] @ W^T (blocking).");
+  mod.def("matmul", &matmul, "w"_a, "x"_a, "out"_a, "path"_a = "auto", "out[M, N] = x[M, K] @ W^T (blocking); x and out float32 or bfloat16 (out rounded to nearest even).");
   mod.def("quantize_rows", [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x, int64_t padded,
                               int group) {
     if (group < 1 || padded % group || padded < static_cast<int64_t>(x.shape(1)))

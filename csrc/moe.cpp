@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "fp_convert.h"
 
@@ -306,19 +307,36 @@ I64 matmul_task_rows(I64 rows, int threads, I64 row_bytes) {
   return std::min(rows, std::max(least, balanced));
 }
 
-void run_matmul(const Matrix& w, const float* x, I64 m, I64 ldx, float* y, MatmulPath path, const KernelTable& kt,
-                ThreadPool& pool) {
+void run_matmul(const Matrix& w, const void* x, bool x_bf16, I64 m, I64 ldx, void* y, bool y_bf16, MatmulPath path,
+                const KernelTable& kt, ThreadPool& pool) {
   thread_local ActBuffer acts;  // reused: a decode step calls this for every projection
+  thread_local std::vector<float> y_f32;  // bf16 output: each task's float rows, rounded into y by that task
   acts.init(m, w);
   for (I64 r = 0; r < m; ++r) {
-    std::memcpy(acts.row(r), x + r * ldx, static_cast<size_t>(w.cols) * sizeof(float));
+    float* row = acts.row(r);
+    if (x_bf16) {
+      const uint16_t* src = static_cast<const uint16_t*>(x) + r * ldx;
+      for (I64 k = 0; k < w.cols; ++k) row[k] = bits_to_float(static_cast<uint32_t>(src[k]) << 16);
+    } else {
+      std::memcpy(row, static_cast<const float*>(x) + r * ldx, static_cast<size_t>(w.cols) * sizeof(float));
+    }
     acts.quantize(r, kt);
   }
+  if (y_bf16 && y_f32.size() < static_cast<size_t>(m * w.rows)) y_f32.resize(static_cast<size_t>(m * w.rows));
+  float* yf = y_bf16 ? y_f32.data() : static_cast<float*>(y);
+  uint16_t* yb = static_cast<uint16_t*>(y);
   const Activations view = acts.view(m, nullptr, 0);
   const I64 blk = matmul_task_rows(w.rows, pool.size(), w.row_bytes);
   pool.parallel_for(ceil_div(w.rows, blk), [&](I64 task, int) {
     const I64 r0 = task * blk, r1 = std::min(w.rows, r0 + blk);
-    kt.matmul(w, r0, r1, view, y + r0, w.rows, path);  // rows [r0, r1) straight into y's columns
+    kt.matmul(w, r0, r1, view, yf + r0, w.rows, path);  // rows [r0, r1) straight into y's columns
+    if (y_bf16)  // round to nearest even as torch does (branch-free, so that it vectorises; NaN stays NaN)
+      for (I64 t = 0; t < m; ++t)
+        for (I64 n = r0; n < r1; ++n) {
+          const uint32_t u = float_to_bits(yf[t * w.rows + n]);
+          const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+          yb[t * w.rows + n] = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : rounded);
+        }
   });
 }
 

@@ -69,9 +69,10 @@ struct WorkBufferInfo {
 };
 std::vector<WorkBufferInfo> work_buffers();
 
-// y [M, N] = x [M, K] (fp32, row stride ldx) @ W^T, on `pool`.
-void run_matmul(const Matrix& w, const float* x, int64_t m, int64_t ldx, float* y, MatmulPath path,
-                const KernelTable& kt, ThreadPool& pool);
+// y [M, N] (contiguous) = x [M, K] (row stride ldx) @ W^T, on `pool`; x and y in fp32, or bf16 where x_bf16 /
+// y_bf16 (y rounded to nearest even from the fp32 result).
+void run_matmul(const Matrix& w, const void* x, bool x_bf16, int64_t m, int64_t ldx, void* y, bool y_bf16,
+                MatmulPath path, const KernelTable& kt, ThreadPool& pool);
 
 // For the fp8 codes of each row r: flags[r] = kRowHasNan | kRowHasSubnormal as they occur, and bit kb of
 // blocks[r * block_stride ...] set when column block kb holds a subnormal code. Runs on `pool`.

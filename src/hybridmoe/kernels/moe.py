@@ -138,13 +138,18 @@ class FusedMoE:
         return _as_dtype(out, result_dtype)
 
 
-def matmul(w: _native.Matrix, x: torch.Tensor, path: str = "auto") -> torch.Tensor:
-    """x [M, K] float32 @ W^T -> [M, N] float32 on the kernels (blocking)."""
+def matmul(w: _native.Matrix, x: torch.Tensor, path: str = "auto",
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] on the kernels (blocking), computed in float32. x in float32 or bfloat16 goes to the
+    kernels as it is (others through float32); out_dtype float32 or bfloat16 (rounded to nearest even, as
+    `.to(torch.bfloat16)` would). A decode step calls this for every projection: no conversion it can spare."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    if x.dtype != torch.float32 or not x.is_contiguous():  # a same-dtype .float().contiguous() still costs ~1 us
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    if (x.dtype != torch.float32 and x.dtype != torch.bfloat16) or not x.is_contiguous():
         x = x.float().contiguous()
-    out = torch.empty((x.shape[0], w.rows), dtype=torch.float32)
+    out = torch.empty((x.shape[0], w.rows), dtype=out_dtype)
     if x.shape[0]:
         _native.matmul(w, _dlpack(x), _dlpack(out), path)
     return out

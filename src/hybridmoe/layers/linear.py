@@ -52,6 +52,8 @@ class Linear:
         weight = self.weight
         if weight is not None and x.shape[0] >= FLOAT_KERNEL_MAX_TOKENS:
             return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype), self.bias)
+        if self.bias is None and (x.dtype == torch.bfloat16 or x.dtype == torch.float32):
+            return matmul(self.matrix, x, out_dtype=x.dtype)  # [T, N]; bf16 in and out without torch conversions
         y = matmul(self.matrix, x)  # [T, N] float32; a decode step runs this for every projection: lean
         if self.bias is not None:
             y += self.bias
