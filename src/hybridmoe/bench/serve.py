@@ -13,14 +13,23 @@ Printed: p50 / p90 / p99 (and mean) of time to first token (TTFT), time per outp
 and end-to-end latency; requests and tokens per second; the fraction of requests meeting the SLO (TTFT <= 30 s
 and TPOT <= 50 ms unless --slo-ttft / --slo-tpot-ms say otherwise). --json writes the settings, the summary and
 every request's record; --plot draws TTFT and TPOT over the run and their CDFs.
+
+--compare NAMES runs the same workload against a server started per setting (overlap: `--overlap on` against
+`--no-overlap`; pd once `serve --pd` exists; several names: every combination), --rounds times each in alternating
+order, and prints the settings side by side: the engine's own decode throughput (decode tokens / decode step seconds
+from GET /metrics, the aggregate over all decoding sequences) and its CPU experts' time, then the HTTP-side figures;
+--json keeps every run, --plot draws the settings' TTFT and TPOT CDFs and throughputs in one figure.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
+from hybridmoe.bench._serving import compare
 from hybridmoe.bench._serving.loadgen import ServerUnreachable, run_workload
 from hybridmoe.bench._serving.report import SLO, format_summary, plot, summarize, write_json
 from hybridmoe.bench._serving.server import ServerError, ServerProcess, check_loopback
@@ -82,6 +91,12 @@ def register(subparsers) -> None:
     p.add_argument("--startup-timeout", type=float, metavar="S", default=600.0,
                    help="seconds to wait for the started server's GET /health to answer 200 (default 600)")
     p.add_argument("--server-log", metavar="PATH", help="keep the started server's output in PATH")
+    p.add_argument("--compare", metavar="NAMES",
+                   help="run the workload against servers started with each setting of NAMES and report them side by "
+                        "side: overlap (--overlap on against --no-overlap); pd (--pd against without, once `serve "
+                        "--pd` exists); several, comma-separated, run every combination. Not with --url")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="with --compare: runs of each setting, alternating their order (default 1)")
     p.set_defaults(func=run)
 
 
@@ -110,6 +125,8 @@ def _progress(stream=None):
 
 
 def run(args) -> int:
+    if args.compare:
+        return run_compare(args)
     spec = workload_spec(args)
     slo = SLO(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot_ms / 1000)
     url = check_loopback(args.url) if args.url else None
@@ -144,5 +161,75 @@ def run(args) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         plot(args.plot, result, summary)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def run_compare(args) -> int:
+    """--compare: each setting's own server, the same workload, one table and one plot (bench/_serving/compare.py)."""
+    if args.url:
+        raise ValueError("--compare starts a server per setting; it cannot use --url")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    names = compare.parse(args.compare)
+    spec = workload_spec(args)
+    slo = SLO(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot_ms / 1000)
+    base_args = shlex.split(args.server_args) + (["--api-key", args.api_key] if args.api_key else [])
+    settings = compare.settings(names)
+    records = {label: [] for label, _ in settings}
+    durations = {label: 0.0 for label, _ in settings}
+    counters = {label: {} for label, _ in settings}
+    runs = []
+    show, done = _progress()
+    load_before = os.getloadavg()[0]
+    for round_index in range(args.rounds):
+        order = settings if round_index % 2 == 0 else settings[::-1]
+        for label, flags in order:
+            print(f"[{label}] round {round_index + 1}/{args.rounds}: hybridmoe serve --model {args.model} "
+                  f"{' '.join(base_args + flags)}".rstrip(), file=sys.stderr)
+            try:
+                with ServerProcess(args.model, base_args + flags, args.startup_timeout, args.server_log) as process:
+                    before = compare.engine_counters(process.url, args.api_key)
+                    result = run_workload(process.url, spec, api_key=args.api_key, progress=show)
+                    after = compare.engine_counters(process.url, args.api_key)
+                    died = process.died()
+            except (ServerError, ServerUnreachable) as error:
+                done()
+                print(f"error: [{label}] {error}", file=sys.stderr)
+                return 1
+            done()
+            if died:
+                print(f"warning: [{label}] {died}", file=sys.stderr)
+            delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in compare.ENGINE_COUNTERS}
+            for k, v in delta.items():
+                counters[label][k] = counters[label].get(k, 0.0) + v
+            records[label] += result.records
+            durations[label] += result.duration_s
+            summary = summarize(result.records, result.duration_s, slo)
+            engine = compare.engine_delta({}, delta)
+            runs.append({"setting": label, "flags": flags, "round": round_index, "summary": summary,
+                         "engine": engine, "run": result.run_info(), "requests": result.records_as_dicts()})
+            print(f"[{label}] {summary['completed']} requests, {summary['output_token_throughput']:.1f} output tok/s; "
+                  f"decode in the engine {engine['decode_tok_s'] or 0:.1f} tok/s", file=sys.stderr)
+    labels = [label for label, _ in settings]
+    summaries = [summarize(records[label], durations[label], slo) for label in labels]
+    engines = [compare.engine_delta({}, counters[label]) for label in labels]
+    pacing = f"{spec.concurrency} concurrent users" if spec.concurrency else f"Poisson arrivals at {spec.rate:g}/s"
+    print(f"bench serve --compare {','.join(names)}: {args.model}, {pacing}, {args.rounds} round(s) per setting "
+          f"(all rounds pooled)")
+    print(compare.format_table(labels, summaries, engines))
+    machine = {"cpus": os.cpu_count(), "load_average_1min": [load_before, os.getloadavg()[0]]}
+    if args.json:
+        report = {"settings": {"model": args.model, "server_args": shlex.split(args.server_args),
+                               "workload": spec.as_dict(), "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+                               "compare": names, "rounds": args.rounds, "machine": machine},
+                  "combined": [{"setting": label, "flags": flags, "summary": s, "engine": e}
+                               for (label, flags), s, e in zip(settings, summaries, engines)],
+                  "runs": runs}
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        compare.plot(args.plot, labels, [records[label] for label in labels], summaries, engines,
+                     f"bench serve --compare {','.join(names)}: {args.model}, {pacing}")
         print(f"wrote {args.plot}")
     return 0

@@ -17,7 +17,8 @@ From the engine's scheduler, read at each scrape (`SchedulerStats`):
 From the engine's RunStats (what ran where, docs/hybrid.md), read at each scrape once the model is loaded:
   hybridmoe:accelerator_bytes{kind="attention"|"kv cache"|"router"|"shared"|"dense"|"lm_head"|"hot experts"|...}
   and hybridmoe:accelerator_peak_bytes                                gauges: bytes held on the accelerator
-  hybridmoe:engine_steps_total{phase="prefill"|"decode"}, hybridmoe:engine_step_seconds_total{phase},
+  hybridmoe:engine_steps_total{phase="prefill"|"decode"}, hybridmoe:engine_tokens_total{phase},
+  hybridmoe:engine_step_seconds_total{phase} (decode throughput = decode tokens / decode step seconds),
   hybridmoe:accelerator_seconds_total{phase}, hybridmoe:cpu_experts_seconds_total{phase} (submit until the CPU
   kernels' result is in hand), hybridmoe:cpu_experts_wait_seconds_total{phase} (of that, time the forward waited),
   hybridmoe:expert_assignments_total{phase, where="cpu"|"accelerator"}   counters (per step: divide by steps)
@@ -149,6 +150,7 @@ class _RunStatsCollector:
         peak.add_metric([name], getattr(stats.ledger, "peak", 0))
         yield peak
         per_phase = (("engine_steps", "Engine steps", "steps"),
+                     ("engine_tokens", "Tokens the engine's steps computed", "tokens"),
                      ("engine_step_seconds", "Wall time of the engine's steps", "step_s"),
                      ("accelerator_seconds", "Time of the work issued on the accelerator", "accel_s"),
                      ("cpu_experts_seconds", "CPU expert kernels, from submit until their result was in hand",
