@@ -11,14 +11,22 @@
 #                         bandwidth (goal >= 0.90 with compute overlapped), the slice's prefill tok/s (experts
 #                         half) next to the planner's prediction; hybrid decode tok/s of the demo model through the
 #                         engine on CUDA next to its plan's predicted decode tok/s;
+#   overlap.json, overlap.txt   benchmarks/overlap_decode.py (issue 45): aggregate decode throughput with
+#                         dual-batch overlap and without, alternating rounds in one process, on a Qwen3-MoE-shaped
+#                         bf16 model (--shape gpu: 4 layers of 64 experts of 768 x 2048, 2.4 GB, written once under
+#                         $MODELS) with a 2 GB budget (1 GB of it the plan's CUDA reserve; attention, routers, KV
+#                         and ~50 hot experts on the GPU, the other ~200 on the CPU kernels), 16 sequences of
+#                         512-token prompts: the ratio on/off (the seed paper: +50%), the CPU experts' time per step
+#                         and the part of it the forward waited for;
 #   costmodel_slp.json    `hybridmoe bench costmodel --cases slp`: the SLP cases predicted vs measured on CUDA.
-# Usage: OUT=/some/dir [PYTHON=python3] [DEADLINE=420] bash benchmarks/gpu_check.sh
+# Usage: OUT=/some/dir [PYTHON=python3] [DEADLINE=600] [MODELS=/tmp/hybridmoe-check-models] bash benchmarks/gpu_check.sh
 # Host memory: the slice holds one layer of experts (11.3 GB) on the host and two slots (22.5 GB) on the GPU.
 # Exit status: 0 when every step passed, else the number of failed or skipped steps.
 set -uo pipefail
 OUT=${OUT:-/tmp/hybridmoe-gpu-check}
 PYTHON=${PYTHON:-python3}
-DEADLINE=${DEADLINE:-420}
+DEADLINE=${DEADLINE:-600}
+MODELS=${MODELS:-${TMPDIR:-/tmp}/hybridmoe-check-models}  # the benchmark's random model: never under $OUT
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -45,6 +53,8 @@ OUT="$OUT" PYTHON="$PYTHON" STEPS="" DEADLINE=$((DEADLINE / 2)) bash benchmarks/
 
 TAIL=15 step 180 tests_gpu.log "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/hybrid tests/accel -k cuda
 TAIL=8 step 240 slp.txt "$PYTHON" benchmarks/slp_check.py --json "$OUT/slp.json"
+TAIL=12 step 240 overlap.txt "$PYTHON" benchmarks/overlap_decode.py --shape gpu --cache-dir "$MODELS" --vram 2GB \
+  --batch 16 --prompt-tokens 512 --tokens 32 --rounds 3 --json "$OUT/overlap.json"
 TAIL=8 step 180 costmodel_slp.txt "$PYTHON" -m hybridmoe.cli bench costmodel --cases slp --rounds 2 \
   --json "$OUT/costmodel_slp.json"
 echo "gpu_check: $failed step(s) failed or skipped; results in $OUT"

@@ -12,7 +12,7 @@ as fit; the rest of the experts run on the CPU kernels. Without either it is the
 
     python benchmarks/overlap_decode.py --batch 8 --rounds 3                       # plain CPU engine
     python benchmarks/overlap_decode.py --vram 64MB --batch 8 --rounds 3           # the CPU stand-in, hybrid
-    python benchmarks/overlap_decode.py --shape gpu --device cuda --vram 1GB --json out.json   # a GPU machine
+    python benchmarks/overlap_decode.py --shape gpu --device cuda --vram 2GB --json out.json   # a GPU machine
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ SHAPES = {  # Qwen3-MoE-shaped; experts in bf16
                   num_hidden_layers=4),
     "gpu": dict(vocab_size=8192, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                 num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,
-                num_hidden_layers=8),
+                num_hidden_layers=4),
 }
 
 
