@@ -152,6 +152,11 @@ class PDEngine:
         with self._lock:
             return {role: slot.pid if slot.ready else None for role, slot in self._slots.items()}
 
+    def requests_in(self, role: str) -> int:
+        """Requests now held by the worker of role ("prefill", "decode"), or on their way to it."""
+        with self._lock:
+            return sum(1 for stream in self._streams.values() if stream.phase == role)
+
     def worker_restarts(self) -> dict[str, int]:
         with self._lock:
             return {role: slot.restarts for role, slot in self._slots.items()}

@@ -1,0 +1,103 @@
+"""One copy of the weights: the two workers of `PDEngine` map the same checkpoint pages, so the machine counts the
+weights once. Measured from /proc/<pid>/smaps: each worker's mapping of model.safetensors (resident pages, and
+their proportional share: a page mapped by both workers counts half in each). A worker holding its own copy
+would show no shared pages and each worker's PSS equal to its RSS, their sum twice the weights.
+Also greedy tokens through the two worker processes equal the single-process engine's (Mixtral, GQA)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hybridmoe import LLM, SamplingParams
+from hybridmoe.disagg.engine import PDEngine
+from hybridmoe.runtime.engine import EngineConfig
+
+pytestmark = pytest.mark.slow
+HANG_S = 180
+
+
+def mapping_kb(pid: int, path_suffix: str) -> dict[str, int]:
+    """Rss, Pss, Shared_Clean, Private_* (kB) of pid's mappings of a file whose path ends with path_suffix."""
+    totals: dict[str, int] = {}
+    inside = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split()[0]
+            if not first.endswith(":"):  # a mapping's header line: address range, perms, ..., path
+                inside = line.rstrip().endswith(path_suffix)
+            elif inside and line.split()[-1] == "kB":
+                totals[first[:-1]] = totals.get(first[:-1], 0) + int(line.split()[1])
+    return totals
+
+
+async def _run(engine: PDEngine, prompts, params):
+    async def one(prompt):
+        tokens = []
+        async for out in engine.generate(prompt, params):
+            tokens += out.new_token_ids
+        return tokens
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def private_kb(pid: int) -> int:
+    """Memory only pid holds (kB): Private_Clean + Private_Dirty of /proc/<pid>/smaps_rollup."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        fields = {line.split()[0][:-1]: int(line.split()[1]) for line in f if line.rstrip().endswith("kB")}
+    return fields["Private_Clean"] + fields["Private_Dirty"]
+
+
+def serve_and_measure(model_dir) -> dict[str, tuple[dict[str, int], int]]:
+    """Run a few requests through PDEngine; -> per worker role: (its checkpoint mapping's kB, its private kB)."""
+    engine = PDEngine(model_dir, EngineConfig(dtype="float32", kv_cache_gb=0.05))
+    engine.start()
+    try:
+        engine.wait_ready_sync(HANG_S)
+        prompts = [[(i * 37 + j * 11) % 300 + 1 for j in range(48)] for i in range(4)]
+        asyncio.run(_run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)))
+        return {role: (mapping_kb(pid, "model.safetensors"), private_kb(pid))
+                for role, pid in engine.worker_pids().items()}
+    finally:
+        engine.shutdown()
+
+
+def test_workers_share_the_weights_pages(tiny_model_dir):
+    # float32 experts, ~100 MB in all: 2 layers x 8 experts x 3 x 512 x 1024 x 4 bytes
+    big = tiny_model_dir("qwen3_moe", hidden_size=512, moe_intermediate_size=1024, num_hidden_layers=2,
+                         num_experts=8, num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=64)
+    weights_kb = (big / "model.safetensors").stat().st_size // 1024
+    measured = serve_and_measure(big)
+    baseline = serve_and_measure(tiny_model_dir("qwen3_moe"))  # the same workers over a model of ~0.5 MB
+    (prefill, prefill_private), (decode, decode_private) = measured["prefill"], measured["decode"]
+    print(f"weights {weights_kb} kB; prefill worker {prefill}, private {prefill_private} kB; decode worker "
+          f"{decode}, private {decode_private} kB; tiny model's workers' private: "
+          f"{baseline['prefill'][1]}, {baseline['decode'][1]} kB")
+    for worker in (prefill, decode):  # both compute from the mapped checkpoint (most expert pages touched) ...
+        assert worker["Rss"] > 0.5 * weights_kb
+        assert worker["Private_Clean"] + worker["Private_Dirty"] == 0  # ... not a page of its own
+    # ... the same pages: the machine counts them once, not once per worker
+    # (shared pages count as "dirty" where the checkpoint lies on tmpfs)
+    assert decode["Shared_Clean"] + decode["Shared_Dirty"] > 0.5 * weights_kb
+    assert prefill["Pss"] + decode["Pss"] <= weights_kb * 1.02
+    assert prefill["Rss"] + decode["Rss"] > 1.2 * weights_kb  # what two copies would have cost
+    # and no worker made a copy of its own elsewhere: its private memory grows by far less than the weights
+    for role, (_, private) in measured.items():
+        assert private - baseline[role][1] < 0.25 * weights_kb, role
+
+
+def test_pd_workers_give_the_single_engine_greedy_tokens_mixtral(tiny_model_dir):
+    model_dir = tiny_model_dir("mixtral")
+    prompts = [[5, 17, 33, 8, 90, 12, 61, 7, 200, 31, 4, 77], [44, 3, 81], [9] * 30]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    expected = [r.token_ids for r in LLM(model_dir, dtype="float32").generate(prompts, params)]
+    engine = PDEngine(model_dir, EngineConfig(dtype="float32", kv_cache_gb=0.05))
+    engine.start()
+    try:
+        engine.wait_ready_sync(HANG_S)
+        assert asyncio.run(_run(engine, prompts, params)) == expected
+        stats = engine.stats()
+        assert stats.kv_blocks_used == 0 and stats.num_running_requests == 0
+    finally:
+        engine.shutdown()
