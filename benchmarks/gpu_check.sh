@@ -18,6 +18,10 @@
 #                         and ~50 hot experts on the GPU, the other ~200 on the CPU kernels), 16 sequences of
 #                         512-token prompts: the ratio on/off (the seed paper: +50%), the CPU experts' time per step
 #                         and the part of it the forward waited for;
+#   pd_tpot.json, pd_tpot.txt   benchmarks/pd_tpot.py (issue 45): the decode TPOT of 4 users while one 4000-token
+#                         prompt prefills, one engine against prefill/decode disaggregation (`serve --pd`: two worker
+#                         processes, each its own CUDA context), demo model, alternating rounds in one process: the
+#                         rise over their undisturbed TPOT (goal < 10% with PD) and the long prompt's TTFT;
 #   costmodel_slp.json    `hybridmoe bench costmodel --cases slp`: the SLP cases predicted vs measured on CUDA.
 # Usage: OUT=/some/dir [PYTHON=python3] [DEADLINE=600] [MODELS=/tmp/hybridmoe-check-models] bash benchmarks/gpu_check.sh
 # Host memory: the slice holds one layer of experts (11.3 GB) on the host and two slots (22.5 GB) on the GPU.
@@ -55,6 +59,7 @@ TAIL=15 step 180 tests_gpu.log "$PYTHON" -m pytest -q -p no:cacheprovider -rs te
 TAIL=8 step 240 slp.txt "$PYTHON" benchmarks/slp_check.py --json "$OUT/slp.json"
 TAIL=12 step 240 overlap.txt "$PYTHON" benchmarks/overlap_decode.py --shape gpu --cache-dir "$MODELS" --vram 2GB \
   --batch 16 --prompt-tokens 512 --tokens 32 --rounds 3 --json "$OUT/overlap.json"
+TAIL=8 step 150 pd_tpot.txt "$PYTHON" benchmarks/pd_tpot.py --long-tokens 4000 --rounds 3 --json "$OUT/pd_tpot.json"
 TAIL=8 step 180 costmodel_slp.txt "$PYTHON" -m hybridmoe.cli bench costmodel --cases slp --rounds 2 \
   --json "$OUT/costmodel_slp.json"
 echo "gpu_check: $failed step(s) failed or skipped; results in $OUT"
