@@ -10,3 +10,14 @@ KV out of one engine's paged cache into a payload, and from a payload into anoth
 and the workers say over their pipes), `worker` (a worker process's main loop), `engine` (`PDEngine`, the front:
 spawns and watches the workers, routes requests, restarts a worker that died).
 """
+
+__all__ = ["PDEngine"]
+
+
+def __getattr__(name: str):
+    # lazily: the worker runs as `python -m hybridmoe.disagg.worker`, which must not be imported by the package first
+    if name == "PDEngine":
+        from hybridmoe.disagg.engine import PDEngine
+
+        return PDEngine
+    raise AttributeError(f"module 'hybridmoe.disagg' has no attribute {name!r}")
