@@ -121,9 +121,12 @@ def main(argv: list[str] | None = None) -> int:
                                                                         "cpu_waited_ms_per_step")}
                for mode, rs in rounds.items()}
     ratio = medians["on"]["decode_tok_s"] / medians["off"]["decode_tok_s"]
+    # each round's pair ran back to back: the median of the pairs' ratios is steadier where the load drifts
+    paired = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(rounds["on"], rounds["off"])]
     print(f"decode throughput, medians of {args.rounds} rounds ({where}, batch {args.batch}): overlap off "
           f"{medians['off']['decode_tok_s']:.1f} tok/s, on {medians['on']['decode_tok_s']:.1f} tok/s: "
-          f"{ratio:.2f}x; sequences with the same greedy tokens: {same} of {total}")
+          f"{ratio:.2f}x (rounds' own ratios {', '.join(f'{r:.2f}' for r in paired)}, median "
+          f"{statistics.median(paired):.2f}); sequences with the same greedy tokens: {same} of {total}")
     if args.json:
         for rs in rounds.values():
             for r in rs:
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {"settings": {**vars(args), "model_dir": str(path), "where": where,
                                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                                "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0]},
-                  "rounds": rounds, "medians": medians, "ratio_on_over_off": ratio,
+                  "rounds": rounds, "medians": medians, "ratio_on_over_off": ratio, "round_ratios": paired,
                   "same_token_sequences": [same, total]}
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
