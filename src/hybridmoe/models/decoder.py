@@ -57,35 +57,15 @@ class MoEDecoderModel:
     def add_routing_observer(self, observe: Callable[[int, torch.Tensor], None]) -> Callable[[], None]:
         """Call observe(layer_index, topk_ids [T, K]) at every MoE layer of every forward (routing statistics);
         returns a function that removes the observer again."""
-        added = []
-        for index, layer in enumerate(self.layers):
-            if isinstance(layer.mlp, MoEBlock):
-                hook = lambda ids, index=index: observe(index, ids)  # noqa: E731
-                layer.mlp.routing_observers.append(hook)
-                added.append((layer.mlp.routing_observers, hook))
-
-        def remove() -> None:
-            for observers, hook in added:
-                observers.remove(hook)
-
-        return remove
+        return _add_observers([(i, layer.mlp.routing_observers) for i, layer in enumerate(self.layers)
+                               if isinstance(layer.mlp, MoEBlock)], observe)
 
     def add_attention_observer(self, observe: Callable[[int, int, torch.Tensor, torch.Tensor, float], None]
                                ) -> Callable[[], None]:
         """Call observe(layer_index, seq, q [Q, N, D], k [C, Nk, D], scale) at every attention layer of every
         forward for each sequence (its new tokens' queries, its whole context's keys, post-rope; for MLA the
         absorbed queries and cached latents, Nk = 1); hybridmoe.kv scores prompt tokens by it. Returns the remover."""
-        added = []
-        for index, layer in enumerate(self.layers):
-            hook = lambda s, q, k, scale, index=index: observe(index, s, q, k, scale)  # noqa: E731
-            layer.attention.observers.append(hook)
-            added.append((layer.attention.observers, hook))
-
-        def remove() -> None:
-            for observers, hook in added:
-                observers.remove(hook)
-
-        return remove
+        return _add_observers([(i, layer.attention.observers) for i, layer in enumerate(self.layers)], observe)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache tensor."""
@@ -138,6 +118,21 @@ class MoEDecoderModel:
         with stats.accel_section() if placed.lm_head else nullcontext():
             logits = self.lm_head(rms_norm(h, self.norm, eps)).float()
         return logits.to(host)
+
+
+def _add_observers(lists: list[tuple[int, list]], observe: Callable) -> Callable[[], None]:
+    """Append to each layer's observer list a hook calling observe(layer_index, *args); returns the remover."""
+    added = []
+    for index, observers in lists:
+        hook = lambda *args, index=index: observe(index, *args)  # noqa: E731
+        observers.append(hook)
+        added.append((observers, hook))
+
+    def remove() -> None:
+        for observers, hook in added:
+            observers.remove(hook)
+
+    return remove
 
 
 def _metadata_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
