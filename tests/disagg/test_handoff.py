@@ -113,7 +113,7 @@ def test_budget_one_copies_the_cache_exactly_and_a_lower_budget_packs_fewer_byte
     run_to_end(pre)
 
 
-def test_budget_one_through_spectrumkv_gives_the_same_tokens_as_half(tiny_model_dir):
+def test_kv_budget_one_gives_the_single_engine_greedy_tokens(tiny_model_dir):
     """--kv-budget 1.0 is the SpectrumKV payload at full precision: same greedy tokens as one engine."""
     pre, dec = engine(tiny_model_dir("mixtral")), engine(tiny_model_dir("mixtral"))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -2,11 +2,15 @@
 weights once. Measured from /proc/<pid>/smaps: each worker's mapping of model.safetensors (resident pages, and
 their proportional share: a page mapped by both workers counts half in each). A worker holding its own copy
 would show no shared pages and each worker's PSS equal to its RSS, their sum twice the weights.
-Also greedy tokens through the two worker processes equal the single-process engine's (Mixtral, GQA)."""
+Also greedy tokens through the two worker processes equal the single-process engine's (Mixtral, GQA), and a
+killed prefill worker is restarted, a request sent meanwhile waiting for it."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
 import pytest
 
@@ -99,5 +103,14 @@ def test_pd_workers_give_the_single_engine_greedy_tokens_mixtral(tiny_model_dir)
         assert asyncio.run(_run(engine, prompts, params)) == expected
         stats = engine.stats()
         assert stats.kv_blocks_used == 0 and stats.num_running_requests == 0
+        # the prefill worker dies: it is restarted, and a request sent meanwhile waits for it and succeeds
+        dead = engine.worker_pids()["prefill"]
+        os.kill(dead, signal.SIGKILL)
+        deadline = time.monotonic() + HANG_S
+        while engine.worker_restarts()["prefill"] == 0:
+            assert time.monotonic() < deadline, "the prefill worker was not restarted"
+            time.sleep(0.02)
+        assert asyncio.run(_run(engine, prompts[:1], params)) == expected[:1]
+        assert engine.worker_pids()["prefill"] not in (None, dead)
     finally:
         engine.shutdown()
