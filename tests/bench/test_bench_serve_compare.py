@@ -51,6 +51,8 @@ def test_engine_delta_is_decode_tokens_over_decode_seconds():
     assert delta["cpu_experts_ms_per_step"] == pytest.approx(50.0)
     assert delta["cpu_waited_ms_per_step"] == pytest.approx(10.0)
     assert compare.engine_delta({}, {})["decode_tok_s"] is None  # no decode step (a server without RunStats)
+    plain = compare.engine_delta({}, {"engine_steps": 5, "engine_tokens": 20, "engine_step_seconds": 1.0})
+    assert plain["decode_tok_s"] == 20.0 and plain["cpu_experts_ms_per_step"] is None  # not timed off hybrid
 
 
 def test_the_table_puts_settings_side_by_side_with_their_ratio():

@@ -89,11 +89,12 @@ def engine_delta(before: dict[str, float], after: dict[str, float]) -> dict:
     """Decode throughput in the engine and its CPU experts' share between two scrapes."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ENGINE_COUNTERS}
     seconds, steps = d["engine_step_seconds"], d["engine_steps"]
+    timed = steps and d["cpu_experts_seconds"] > 0  # only hybrid execution times the CPU experts
     return {"decode_steps": steps, "decode_tokens": d["engine_tokens"],
             "decode_tok_s": d["engine_tokens"] / seconds if seconds > 0 else None,
             "decode_step_ms": 1e3 * seconds / steps if steps else None,
-            "cpu_experts_ms_per_step": 1e3 * d["cpu_experts_seconds"] / steps if steps else None,
-            "cpu_waited_ms_per_step": 1e3 * d["cpu_experts_wait_seconds"] / steps if steps else None}
+            "cpu_experts_ms_per_step": 1e3 * d["cpu_experts_seconds"] / steps if timed else None,
+            "cpu_waited_ms_per_step": 1e3 * d["cpu_experts_wait_seconds"] / steps if timed else None}
 
 
 # rows of the side-by-side table: (label, getter(summary, engine), scale, digits)
