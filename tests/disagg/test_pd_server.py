@@ -1,5 +1,6 @@
 """`serve --pd` in process (uvicorn on a thread) over a tiny DeepSeek-V3 (MLA) model, two worker processes behind
-it: the openai client gets the single-process engine's greedy tokens, streamed and not; killing the decode worker
+it: the openai client gets the single-process engine's greedy tokens, streamed and not; a client that leaves
+mid-stream aborts its request; killing the decode worker
 mid-request fails that request only (500 in OpenAI's shape), the worker is restarted and the next request
 succeeds; after shutdown no worker process and no shared-memory segment is left."""
 
@@ -58,6 +59,16 @@ def test_serve_pd_openai_client_crash_and_shutdown(tiny_model_dir):
             extra_body={"ignore_eos": True}) if chunk.choices)
         assert streamed == expected[0].text
         assert server.metric("kv_blocks_used") == 0
+
+        # a client that leaves mid-stream: its request is aborted in the decode worker, its blocks freed
+        leaving = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=400, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(leaving)
+        next(chunks), next(chunks), next(chunks)
+        leaving.close()
+        _wait(lambda: engine.num_unfinished_requests == 0 and server.metric("kv_blocks_used") == 0,
+              "the abort of a request whose client left")
+        assert server.metric("request_success_total", finished_reason="abort") == 1
 
         # kill the decode worker while a long request decodes on it
         pids = engine.worker_pids()

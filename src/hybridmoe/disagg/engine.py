@@ -58,6 +58,7 @@ class _Stream:
     segment: str | None = None  # its KV payload's segment while it is on its way to the decode worker
     last: RequestOutput | None = None  # the latest output delivered
     first: RequestOutput | None = None  # the prefill worker's output with the first token
+    aborted: bool = False  # abort() was asked: a handoff still on its way ends it instead of moving it
 
 
 @dataclass
@@ -228,6 +229,7 @@ class PDEngine:
         with self._lock:
             stream = self._streams.get(req_id)
             if stream is not None:
+                stream.aborted = True
                 self._send_locked(self._slots[stream.phase], m.Abort(req_id))
 
     # ---- the workers -----------------------------------------------------------------------------------
@@ -253,13 +255,12 @@ class PDEngine:
                 first = parent.recv()
             except (EOFError, OSError):
                 first = m.LoadFailed(f"the {role} worker exited with code {process.wait()} while loading")
-            if isinstance(first, m.LoadFailed):
+            if isinstance(first, m.LoadFailed):  # at start, or at a restart: the server stops being ready (503)
                 _reap(process)
-                if not self._first_ready[role].is_set():
-                    self.load_error = RuntimeError(f"{role} worker: {first.message}")
-                    for event in self._first_ready.values():
-                        event.set()
-                self._fail_role(role, f"the {role} worker could not be restarted: {first.message}")
+                self.load_error = RuntimeError(f"{role} worker: {first.message}")
+                for event in self._first_ready.values():
+                    event.set()
+                self._fail_role(role, f"the {role} worker could not be (re)started: {first.message}")
                 return
             with self._lock:
                 slot.pid, slot.stats, slot.ready = first.pid, first.stats, True
@@ -336,12 +337,18 @@ class PDEngine:
         """A prefilled request on its way to the decode worker."""
         with self._lock:
             stream = self._streams.get(handoff.req_id)
-            if stream is not None and stream.phase == PREFILL:
+            if stream is not None and stream.aborted:  # aborted while its handoff was on its way here
+                del self._streams[handoff.req_id]
+            elif stream is not None and stream.phase == PREFILL:
                 stream.phase, stream.segment = DECODE, handoff.kv.segment
                 adopt = m.Adopt(*(getattr(handoff, f.name) for f in dataclasses.fields(m.Adopt)))
                 self._send_locked(self._slots[DECODE], adopt)
                 return
-        remove(handoff.kv.segment)  # its caller is gone
+            else:
+                stream = None
+        remove(handoff.kv.segment)  # nobody waits for it any more
+        if stream is not None:
+            self._finish(handoff.req_id, stream, "abort", None)
 
     def _fail_role(self, role: str, message: str) -> None:
         """End every request held by the worker of role, or on its way to it, with an error."""
