@@ -13,13 +13,14 @@ Every `submit` queues on the C++ kernels' executor, which runs the jobs in order
 its experts of layer l, the CPU is already done with them or on micro-batch 1's experts of layer l-1, and while the
 accelerator attends micro-batch 1 at layer l the CPU computes micro-batch 0's experts of layer l. A dense layer
 (DeepSeek-V3's first) runs its MLP in line. Each micro-batch is a contiguous half of the step's sequences with its
-own attention metadata (`split_metadata`: its slot mapping, block tables and lengths), so each sequence's tokens are
-the plain forward's: the same kernels compute the same rows, and the greedy tokens do not change.
+own attention metadata (`split_metadata`: its slot mapping, block tables and lengths), so each sequence writes and
+reads its own KV blocks as in the whole step; in float32 the greedy tokens do not change (in bfloat16 a micro-batch's
+row count can pick another kernel path and round differently, as any other batch composition can).
 
-When it pays: the plan's decode tiers (`placement/estimate.decode(dual_batch=True)`, `TierPlan.dual_batch`) compare
-the step split in two against the step whole; splitting costs each side two launches per layer and halves the
-rows each expert matrix is read for, so it pays when the accelerator's and the CPU's parts of a layer are of
-similar length. On the CPU alone (no accelerator) there is nothing to overlap: every kernel call (attention's
+When it pays: the planner's estimate (`placement/estimate.decode` with and without dual_batch, per batch size:
+`predicted_tiers`; a plan file's `TierPlan.dual_batch`) compares the step split in two against the step whole;
+splitting costs each side two launches per layer and reads an expert once per micro-batch that routes to it, so it
+pays when the accelerator's and the CPU's parts of a layer are of similar length. On the CPU alone (no accelerator) there is nothing to overlap: every kernel call (attention's
 projections and decode kernel too) queues on the same executor as the experts.
 
 Legend: T tokens of the step, S sequences, H hidden, V vocabulary.
