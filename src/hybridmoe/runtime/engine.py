@@ -159,9 +159,9 @@ class LLMEngine:
         if hybrid_wanted(cfg):
             self._place(num_blocks * cfg.block_size * self.model.kv_bytes_per_token())
         self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
-        self.model.dual_batch, self.overlap_note = choose_dual_batch(
-            cfg.overlap, self.placement is not None,
-            plan_tiers(self.placement, cfg.plan, cfg.max_num_seqs))
+        hybrid = self.placement is not None
+        tiers = plan_tiers(self.placement, cfg.plan, cfg.max_num_seqs) if hybrid and cfg.overlap == "auto" else ()
+        self.model.dual_batch, self.overlap_note = choose_dual_batch(cfg.overlap, hybrid, tiers)
         self._stream_gate: list = []  # MoE blocks whose streaming prefill is switched per step (stream_prefill="on")
         self._stream_stats = None  # stream-loading prefill's StreamStats, read after each step
         try:
