@@ -321,7 +321,6 @@ def plot(rows: list[dict], path: str | Path, title: str) -> None:
         ax1.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name)
         ax2.plot([p[0] for p in pts], [100 * p[2] for p in pts], style, label=name)
     ax1.axhline(0, color="gray", lw=0.8)
-    ax1.set_yscale("symlog", linthresh=1)
     ax1.set_xlabel("budget b (fraction of 16-bit KV bytes)")
     ax1.set_ylabel("continuation perplexity change vs full KV (%)")
     ax2.set_xlabel("budget b")
