@@ -4,7 +4,8 @@
 # under $OUT, each step time-boxed, all within DEADLINE seconds:
 #   build.log, info.txt   from device_check.sh (the build; the machine, GPUs and `hybridmoe info`);
 #   tests_gpu.log         the GPU tests: tests named *cuda* under tests/hybrid and tests/accel (the same greedy
-#                         tokens with stream-loading prefill on CUDA as the plain engine, ...), skipped without CUDA;
+#                         tokens with stream-loading prefill on CUDA as the plain engine; dual-batch overlap's decode
+#                         on CUDA against the steps whole and the plain engine, ...), skipped without CUDA;
 #   slp.json, slp.txt     benchmarks/slp_check.py: pinned host->device copy bandwidth; a DeepSeek-V3-shaped slice
 #                         (4 MoE layers of 256 FP8 experts of 7168 x 2048 with block scales, random bytes) streamed
 #                         for a 4096-token chunk: SLP's achieved H2D throughput as a fraction of the pinned

@@ -69,10 +69,11 @@ def test_overlap_gives_the_plain_forwards_greedy_tokens(model_dirs, model_type):
     assert llm.engine.model.dual_batch.steps >= 6  # the decode steps of 2 to 5 sequences ran split
 
 
-def _partial_budget(path) -> int:
+def _partial_budget(path, device: str = "auto", generous: str = "256MB") -> int:
     """A vram budget holding what a generous plan places before its hot experts, and 3.5 experts more: routers on
     the accelerator, 3 hot experts there and the rest on the CPU kernels."""
-    plain, full = LLM(path, dtype="float32"), LLM(path, dtype="float32", kv_cache_gb=KV_GB, vram="256MB")
+    plain = LLM(path, dtype="float32")
+    full = LLM(path, dtype="float32", kv_cache_gb=KV_GB, vram=generous, device=device)
     plan = full.engine.placement.plan
     before = sum(i.nbytes for i in plan.items if i.resident and i.kind != "expert")
     expert = next(i.nbytes / int(i.name.split("(")[1].split()[0]) for i in plan.items
@@ -93,6 +94,24 @@ def test_placed_overlap_gives_the_plain_engines_tokens(model_dirs, model_type):
     stats = llm.engine.run_stats
     assert llm.engine.model.dual_batch.steps >= 6
     assert stats.phases["decode"].cpu_expert_assignments > 0 and stats.phases["decode"].hot_expert_assignments > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh runs it)")
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "mixtral"])
+def test_cuda_overlap_gives_the_plain_engines_tokens(model_dirs, model_type):
+    """On a GPU: attention, routers and 3 hot experts on CUDA, the other experts on the CPU kernels; decode steps
+    split in two give the tokens of the same engine with the steps whole, and the plain CPU engine's."""
+    path = model_dirs[model_type]
+    plain = _tokens(LLM(path, dtype="float32"))
+    budget = _partial_budget(path, "cuda", "3GB")  # the plan keeps 1 GB for the CUDA runtime
+    tokens = {}
+    for overlap in ("off", "on"):
+        llm = LLM(path, dtype="float32", kv_cache_gb=KV_GB, vram=budget, device="cuda", overlap=overlap)
+        assert llm.engine.accel.is_cuda
+        tokens[overlap] = _tokens(llm)
+        assert llm.engine.run_stats.phases["decode"].cpu_expert_assignments > 0
+    assert llm.engine.model.dual_batch.steps >= 6
+    assert tokens["on"] == tokens["off"] == plain
 
 
 class _Recorder:
