@@ -25,6 +25,7 @@ from hybridmoe.kv.allocation import LADDER_2, LADDER_3, Tier, allocate
 from hybridmoe.kv.importance import position_importance
 from hybridmoe.kv.layout import KVLayout, config_fingerprint
 from hybridmoe.kv.payload import FULL_DTYPES, PayloadError, PayloadReader, PayloadWriter
+from hybridmoe.runtime.model_runner import torch_threads_for_step
 
 DTYPE_NAMES = {dtype: name for name, dtype in FULL_DTYPES.items()}
 MIN_BUDGET = 0.25  # INT4 for every token; below it tokens would be dropped
@@ -66,7 +67,16 @@ def pack_into_segment(name: str, caches: list[torch.Tensor], layout: KVLayout, s
                       model: str, budget: float = 1.0) -> PackedKV:
     """Pack the KV at slots of every layer's cache into a new segment `name` (removed again if packing fails)."""
     n = slots.shape[0]
-    tiers = allocate(position_importance(n), budget, ladder_for_budget(budget))
+    with single_threaded():
+        return _pack(name, caches, layout, slots, n, model, budget)
+
+
+def _pack(name: str, caches: list[torch.Tensor], layout: KVLayout, slots: torch.Tensor, n: int, model: str,
+          budget: float) -> PackedKV:
+    if budget >= 1.0:
+        tiers = torch.full((n,), int(Tier.FULL), dtype=torch.uint8)
+    else:
+        tiers = allocate(position_importance(n), budget, ladder_for_budget(budget))
     if (tiers == Tier.DROP).any():  # check_budget keeps the budget where nothing is dropped
         raise ValueError(f"kv budget {budget} drops tokens")
     writer = PayloadWriter(layout, tiers, model=model, full_dtype=DTYPE_NAMES[caches[0].dtype],
@@ -95,18 +105,24 @@ def unpack_from_segment(name: str, caches: list[torch.Tensor], layout: KVLayout,
     unlinked whatever happens. Raises PayloadError for a payload of another model, layout or format version, or
     of another token count than slots."""
     segment = Segment.attach(name)
+    view = segment.buf
     try:
-        view = segment.buf
-        reader = PayloadReader(view, model=model, layout=layout, capacity=segment.size)
-        if reader.num_tokens != slots.shape[0]:
-            raise PayloadError(f"payload holds {reader.num_tokens} tokens, the request has {slots.shape[0]}")
-        if reader.total_bytes != segment.size:
-            raise PayloadError(f"payload of {reader.total_bytes} bytes in a segment of {segment.size}")
-        for i, cache in enumerate(caches):
-            lo, hi = reader.segment_range(i)
-            layout.rows_to_cache(cache, slots, reader.unpack_layer(i, view[lo:hi], cache.dtype))
+        with single_threaded():
+            reader = PayloadReader(view, model=model, layout=layout, capacity=segment.size)
+            if reader.num_tokens != slots.shape[0]:
+                raise PayloadError(f"payload holds {reader.num_tokens} tokens, the request has {slots.shape[0]}")
+            if reader.total_bytes != segment.size:
+                raise PayloadError(f"payload of {reader.total_bytes} bytes in a segment of {segment.size}")
+            for i, cache in enumerate(caches):
+                lo, hi = reader.segment_range(i)
+                layout.rows_to_cache(cache, slots, reader.unpack_layer(i, view[lo:hi], cache.dtype))
         return reader
     finally:
         del view
         segment.close()
         segment.unlink()
+
+
+def single_threaded():
+    """torch on one thread for the packing's small ops (a team of OpenMP threads costs more than it saves)."""
+    return torch_threads_for_step(0)

@@ -99,11 +99,13 @@ class _Worker:
                     self.params.pop(out.req_id, None)
                 elif self.role == PREFILL and len(out.token_ids) == 1:
                     handoffs.append(out)
-            sent = [self.hand_off(out) for out in handoffs]
-            self.conn.send(m.Outputs(outputs, engine.stats()))
-            for message in sent:
+            self.conn.send(m.Outputs(outputs, engine.stats()))  # the first tokens go out before the packing
+            for out in handoffs:
+                message = self.hand_off(out)
                 if message is not None:
                     self.conn.send(message)
+            if handoffs:  # the counters without the requests that left
+                self.conn.send(m.Outputs([], engine.stats()))
 
     def handle(self, msg) -> bool:
         """Apply one message; True on Stop."""
