@@ -114,7 +114,8 @@ def _echo(port: int, num_bytes: int, times: int) -> None:
         pg.send([message], 0, 2).wait()
 
 
-def predict(config, counts: list[list[int]], copy_gbs: float, compute_s: float, p2p_gbs: float):
+def predict(config, counts: list[list[int]], copy_gbs: float, compute_s: float, p2p_gbs: float,
+            stand_in: bool | None = None):
     """The planner's schedule of one GPU's experts, dispatch and combine units of the chunk for two GPUs with
     parallel="rank0": this copy bandwidth, a grouped-matmul rate that computes the whole chunk's experts (all
     layers, one GPU) in `compute_s`, and this GPU<->GPU link."""
@@ -129,7 +130,7 @@ def predict(config, counts: list[list[int]], copy_gbs: float, compute_s: float, 
     moe_layers = tuple(l.index for l in spec.moe_layers)
     pairs = EP_CHUNK * spec.top_k * len(moe_layers)
     tflops = 2.0 * spec.moe_layers[0].expert * pairs / compute_s / 1e12
-    stand_in = not torch.cuda.is_available()
+    stand_in = not torch.cuda.is_available() if stand_in is None else stand_in
     if stand_in:  # the ranks stand in on one host: they share its cores and memory bandwidth
         tflops, copy_gbs = tflops / EP_GPUS, copy_gbs / EP_GPUS
     table = [(1.0, tflops), (1e6, tflops)]

@@ -101,7 +101,8 @@ class SlpCase:
         return seconds, gbs
 
 
-def predict(config, chunk: int, copy: str, counts: list[list[int]], copy_gbs: float, compute_s: float):
+def predict(config, chunk: int, copy: str, counts: list[list[int]], copy_gbs: float, compute_s: float,
+            stand_in: bool | None = None):
     """The planner's schedule of the experts units of one chunk on an accelerator with this copy bandwidth and
     a grouped-matmul rate that computes this chunk's experts in `compute_s` (all layers)."""
     from hybridmoe.placement import hardware
@@ -119,7 +120,8 @@ def predict(config, chunk: int, copy: str, counts: list[list[int]], copy_gbs: fl
     gpu = hardware.GpuSpec(name="stand-in", description="the CPU standing in, as measured in this round",
                            memory_gb=1e3, reserved_gb=0.0, memory_gbs=1e6, memory_efficiency=1.0,
                            peak_tflops={"fp32": tflops, "bf16": tflops}, matmul_efficiency=1.0, h2d_gbs=copy_gbs,
-                           d2h_gbs=copy_gbs, link_latency_us=1.0, stand_in=not torch.cuda.is_available(),
+                           d2h_gbs=copy_gbs, link_latency_us=1.0,
+                           stand_in=not torch.cuda.is_available() if stand_in is None else stand_in,
                            matmul_table={"fp32": table, "bf16": table})
     cpu = replace(hardware.reference_profile("desktop-2ch").cpu, memory_read_gbs=1e6)  # never caps the link
     routing = RoutingStats.from_counts(moe_layers, np.array(counts), spec.top_k)
