@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--users", type=int, default=4)
     parser.add_argument("--user-prompt-tokens", type=int, default=32)
-    parser.add_argument("--user-max-tokens", type=int, default=1000)
+    parser.add_argument("--user-max-tokens", type=int, default=3000)
     parser.add_argument("--long-tokens", type=int, default=2000)
     parser.add_argument("--window-s", type=float, default=1.0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
