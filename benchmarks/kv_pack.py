@@ -9,7 +9,7 @@ With --transfer, also the payload of DeepSeek-V3's layout (all layers, b = 0.3, 
 two processes over torch.distributed gloo on loopback: bytes and seconds as the receiver counts them (it
 validates the head and receives each layer into its preallocated buffer; unpacking is timed above).
 
-Run: python benchmarks/kv_pack.py [--tokens 4096] [--repeats 5] [--transfer]
+Run: python benchmarks/kv_pack.py [--tokens 4096] [--repeats 5] [--threads N] [--transfer]
 """
 
 from __future__ import annotations
@@ -105,7 +105,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--transfer", action="store_true", help="also time a payload over gloo on loopback")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     data = Path(placement.__file__).parent / "data" / "models"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.tokens} tokens")
     print(f"{'model':<15}{'ladder':<16}{'b':>6}{'16-bit MB':>11}{'payload MB':>12}{'real b':>8}"

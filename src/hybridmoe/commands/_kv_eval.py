@@ -145,6 +145,14 @@ class KVHarness:
                 int4_verdict: str | None = None) -> Handoff:
         """Pack the first num_tokens tokens' KV at `tiers` into a payload, unpack it into fresh caches."""
         slots = torch.arange(num_tokens)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # packing is a chain of short elementwise passes: one thread (see docs)
+        try:
+            return self._handoff(caches, num_tokens, tiers, ladder, capacity, full_dtype, int4_verdict, slots)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _handoff(self, caches, num_tokens, tiers, ladder, capacity, full_dtype, int4_verdict, slots) -> Handoff:
         start = time.perf_counter()
         writer = PayloadWriter(self.layout, tiers, model=self.fingerprint, full_dtype=full_dtype or self.full_dtype,
                                ladder=ladder, int4_verdict=int4_verdict or self.int4_verdict)

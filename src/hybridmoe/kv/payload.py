@@ -148,19 +148,30 @@ class PayloadWriter:
         lay, seg = self.layout, self.segment
         if rows.shape != (self.tiers.shape[0], lay.row_width):
             raise ValueError(f"layer {layer}: rows {tuple(rows.shape)}, expected {(self.tiers.shape[0], lay.row_width)}")
-        parts: dict[str, torch.Tensor] = {}
-        parts["full"] = rows[self.index[Tier.FULL]].to(self.full_dtype)
-        for tier, bits, name in ((Tier.INT8, 8, "int8"), (Tier.INT4, 4, "int4")):
-            codes, scales = quant.quantize(rows[self.index[tier]], lay.group_widths, bits)
-            parts[name], parts[name + "_scales"] = codes, scales
         out = torch.zeros(seg.segment_bytes, dtype=torch.uint8)
         body = out[SEGMENT_PREFIX.size: SEGMENT_PREFIX.size + seg.body_bytes]
-        for name, offset, size in seg.arrays():
-            if size:
-                body[offset: offset + size] = parts[name].contiguous().view(torch.uint8).flatten()
+        arrays = {name: body[offset: offset + size] for name, offset, size in seg.arrays()}
+        n16, n8, n4 = seg.counts
+        width, groups = lay.row_width, lay.num_groups
+        if n16:
+            arrays["full"].view(self.full_dtype).view(n16, width).copy_(self._gather(rows, Tier.FULL))
+        for tier, bits, name, count, code_width in ((Tier.INT8, 8, "int8", n8, width),
+                                                    (Tier.INT4, 4, "int4", n4, width // 2)):
+            if count:
+                codes = arrays[name].view(count, code_width)
+                quant.quantize(self._gather(rows, tier), lay.group_widths, bits,
+                               codes.view(torch.int8) if bits == 8 else codes,
+                               arrays[name + "_scales"].view(torch.float16).view(count, groups))
         array = out.numpy()
         SEGMENT_PREFIX.pack_into(array, 0, layer, zlib.crc32(array[SEGMENT_PREFIX.size: SEGMENT_PREFIX.size + seg.body_bytes]))
         return array.tobytes()
+
+
+    def _gather(self, rows: torch.Tensor, tier: Tier) -> torch.Tensor:
+        """The rows of one tier's tokens, in a reused buffer."""
+        index = self.index[tier]
+        out = quant.scratch("gather", (index.shape[0], rows.shape[1]), rows.dtype)
+        return torch.index_select(rows, 0, index, out=out)
 
 
 def pack(writer: PayloadWriter, layers: list[torch.Tensor]) -> bytes:

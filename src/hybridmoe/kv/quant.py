@@ -11,6 +11,9 @@ Legend: n tokens, W row width, G groups per row.
 
 from __future__ import annotations
 
+import math
+import threading
+
 import torch
 
 QMAX = {8: 127, 4: 7}
@@ -46,28 +49,54 @@ def scales_for(rows: torch.Tensor, widths: tuple[int, ...], bits: int) -> torch.
     return quantize(rows, widths, bits)[1]
 
 
-def quantize(rows: torch.Tensor, widths: tuple[int, ...], bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [n, W] -> (codes, scales float16 [n, G]); codes int8 [n, W] (INT8) or uint8 [n, W/2] (INT4)."""
+_local = threading.local()
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A per-thread reusable buffer: fresh large tensors cost page faults on every call (most of a pass here)."""
+    numel = math.prod(shape)
+    buffers = _local.__dict__.setdefault("buffers", {})
+    buf = buffers.get((name, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = buffers[(name, dtype)] = torch.empty(max(numel, 1), dtype=dtype)
+    return buf[:numel].view(shape)
+
+
+def quantize(rows: torch.Tensor, widths: tuple[int, ...], bits: int, codes_out: torch.Tensor | None = None,
+             scales_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [n, W] -> (codes, scales float16 [n, G]); codes int8 [n, W] (INT8) or uint8 [n, W/2] (INT4).
+    codes_out / scales_out: where to write them (e.g. views into a payload), else new tensors."""
     qmax = QMAX[bits]
     n, width = rows.shape
     if bits == 4 and width % 2:
         raise ValueError(f"INT4 packs two values per byte: the row width {width} must be even")
-    x = rows.float()
-    codes = torch.empty(n, width, dtype=torch.int8)
-    scales = torch.empty(n, len(widths), dtype=torch.float16)
+    x = rows if rows.dtype == torch.float32 else rows.float()
+    scaled = scratch("scaled", (n, width), torch.float32)
+    scales = scales_out if scales_out is not None else torch.empty(n, len(widths), dtype=torch.float16)
+    saturated = False
     for col, group, count, w in _runs(widths):
         xs = x[:, col: col + count * w].unflatten(1, (count, w))  # [n, g, w]
-        s = _scales(torch.linalg.vector_norm(xs, float("inf"), dim=-1), qmax)  # [n, g]: max |x|
+        amax = torch.maximum(xs.amax(-1), xs.amin(-1).neg_())  # [n, g]: max |x|
+        s = _scales(amax, qmax)
         scales[:, group: group + count] = s
         sf = s.float()
-        q = (xs * torch.where(sf > 0, 1.0 / sf, 0.0)[..., None]).round_()  # within +-qmax unless a scale saturated
-        if bool((sf >= FP16_MAX).any()):
-            q.clamp_(-qmax, qmax)
-        codes[:, col: col + count * w].unflatten(1, (count, w)).copy_(q)
+        saturated |= bool((sf >= FP16_MAX).any())
+        torch.mul(xs, torch.where(sf > 0, 1.0 / sf, 0.0)[..., None],
+                  out=scaled[:, col: col + count * w].unflatten(1, (count, w)))
+    scaled.round_()  # within +-qmax unless a scale saturated
+    if saturated:
+        scaled.clamp_(-qmax, qmax)
     if bits == 8:
+        codes = codes_out if codes_out is not None else torch.empty(n, width, dtype=torch.int8)
+        codes.copy_(scaled)
         return codes, scales
-    nib = (codes + 8).view(torch.uint8)
-    return nib[:, 0::2] | (nib[:, 1::2] << 4), scales
+    scaled.add_(8)
+    nib = scratch("nibbles", (n, width), torch.uint8)
+    nib.copy_(scaled)
+    packed = codes_out if codes_out is not None else torch.empty(n, width // 2, dtype=torch.uint8)
+    torch.bitwise_left_shift(nib[:, 1::2], 4, out=packed)
+    packed.bitwise_or_(nib[:, 0::2])
+    return packed, scales
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, widths: tuple[int, ...], bits: int,
