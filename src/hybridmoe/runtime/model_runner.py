@@ -71,7 +71,6 @@ class ModelRunner:
         bs = self.block_size
         token_ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
         max_blocks = max(len(c.block_table) for c in chunks)
-        block_tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
         for s, chunk in enumerate(chunks):
             n, end = len(chunk.token_ids), chunk.start_pos + len(chunk.token_ids)
             if -(-end // bs) > len(chunk.block_table):
@@ -83,13 +82,15 @@ class ModelRunner:
             slots += [chunk.block_table[p // bs] * bs + p % bs for p in pos]
             query_lens.append(n)
             seq_lens.append(end)
-            block_tables[s, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.long)
+        # one tensor for the whole table (a decode step builds this metadata once for every layer: few torch calls)
+        block_tables = torch.tensor([c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks],
+                                    dtype=torch.long)  # [S, max_blocks]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long), block_tables=block_tables,
             query_lens=query_lens, seq_lens=seq_lens, block_size=bs,
         )
-        logits_indices = None
-        if not all_logits:
+        logits_indices = None  # every token's logits: also each sequence's last when every one has a single token
+        if not all_logits and len(token_ids) != len(chunks):
             logits_indices = torch.tensor(query_lens, dtype=torch.long).cumsum(0) - 1  # last token of each
         with torch_threads_for_step(len(token_ids)):
             return self.model.forward(torch.tensor(token_ids, dtype=torch.long),
