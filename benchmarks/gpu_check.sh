@@ -21,8 +21,9 @@
 #                         and the part of it the forward waited for;
 #   pd_tpot.json, pd_tpot.txt   benchmarks/pd_tpot.py (issue 45): the decode TPOT of 4 users while one 4000-token
 #                         prompt prefills, one engine against prefill/decode disaggregation (`serve --pd`: two worker
-#                         processes, each its own CUDA context), demo model, alternating rounds in one process: the
-#                         rise over their undisturbed TPOT (goal < 10% with PD) and the long prompt's TTFT;
+#                         processes, each its own CUDA context; and the same with the prefill worker on a quarter
+#                         of the CPUs, the decode worker on the rest), demo model, alternating rounds in one
+#                         process: the rise over their undisturbed TPOT (goal < 10% with PD) and the long prompt's TTFT;
 #   costmodel_slp.json    `hybridmoe bench costmodel --cases slp`: the SLP cases predicted vs measured on CUDA.
 # Usage: OUT=/some/dir [PYTHON=python3] [DEADLINE=600] [MODELS=/tmp/hybridmoe-check-models] bash benchmarks/gpu_check.sh
 # Host memory: the slice holds one layer of experts (11.3 GB) on the host and two slots (22.5 GB) on the GPU.

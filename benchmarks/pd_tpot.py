@@ -1,5 +1,6 @@
 """Decode TPOT of the other users while one long prompt prefills: one engine against prefill/decode
-disaggregation (`serve --pd`'s PDEngine), side by side in one run, on the demo model (or --model).
+disaggregation (`serve --pd`'s PDEngine), its workers on all CPUs and on CPUs of their own (`--split`), side by
+side in one run, on the demo model (or --model).
 
 Per round and engine: --users requests with short prompts decode (greedy, EOS ignored); once each has produced a
 few tokens, a window of --window-s seconds measures their time per output token undisturbed, then one request
@@ -10,6 +11,10 @@ TPOT without and during the prefill, the rise (during / without - 1; the seed's 
 long prompt's TTFT. Rounds alternate the two engines, both loaded for the whole run; figures are medians.
 
     python benchmarks/pd_tpot.py [--model demo] [--users 4] [--long-tokens 2000] [--rounds 3] [--json PATH]
+                                 [--split auto|PREFILL_CPUS:DECODE_CPUS|none]
+
+--split auto (the default) gives the prefill worker the first quarter of this process's CPUs (at least one) and
+the decode worker the rest ("pd-split"); none leaves it out.
 
 On the 2-vCPU stand-in the two PD workers share the same two cores: the decode worker no longer waits behind
 the prefill step (no head-of-line blocking), but the prefill's compute takes the cores it decodes on. On a GPU
@@ -31,6 +36,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: idle engines must not spin
 
 from hybridmoe import SamplingParams  # noqa: E402
+from hybridmoe.disagg.cpus import parse_cpu_list  # noqa: E402
 from hybridmoe.disagg.engine import PDEngine  # noqa: E402
 from hybridmoe.runtime.async_engine import AsyncLLMEngine  # noqa: E402
 from hybridmoe.runtime.engine import EngineConfig  # noqa: E402
@@ -81,6 +87,19 @@ def _tpot(stamps: list[tuple[float, int]], start: float, end: float) -> float:
     return (after[0] - before[0]) / max(1, after[1] - before[1])
 
 
+def _split(text: str) -> tuple[list[int], list[int]] | None:
+    if text == "none":
+        return None
+    if text != "auto":
+        prefill, decode = text.split(":")
+        return parse_cpu_list(prefill), parse_cpu_list(decode)
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    cut = max(1, len(cpus) // 4)
+    return cpus[:cut], cpus[cut:]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo")
@@ -92,10 +111,15 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=1.0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--split", default="auto")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     config = EngineConfig(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gb=0.5)
     engines = {"single": AsyncLLMEngine(args.model, config), "pd": PDEngine(args.model, config)}
+    split = _split(args.split)
+    if split is not None:
+        engines["pd-split"] = PDEngine(args.model, config, prefill_cpus=split[0], decode_cpus=split[1])
+        print(f"pd-split: prefill worker on CPUs {split[0]}, decode worker on {split[1]}")
 
     async def run() -> dict:
         for engine in engines.values():
@@ -108,7 +132,7 @@ def main() -> None:
             for name, engine in engines.items():
                 result = await measure(engine, args, vocab)
                 rounds[name].append(result)
-                print(f"round {r} {name:6s}: TPOT {result['tpot_quiet_s'] * 1e3:7.1f} ms quiet, "
+                print(f"round {r} {name:8s}: TPOT {result['tpot_quiet_s'] * 1e3:7.1f} ms quiet, "
                       f"{result['tpot_prefill_s'] * 1e3:7.1f} ms while a {args.long_tokens}-token prompt prefills "
                       f"(TTFT {result['long_ttft_s']:.2f} s)", flush=True)
         return rounds
@@ -125,9 +149,9 @@ def main() -> None:
         rise = statistics.median(x["tpot_prefill_s"] / x["tpot_quiet_s"] - 1 for x in results)
         summary[name] = {"tpot_quiet_ms": quiet * 1e3, "tpot_prefill_ms": during * 1e3, "rise": rise,
                          "long_ttft_s": statistics.median(x["long_ttft_s"] for x in results)}
-    print(f"\n{'engine':8s} {'TPOT quiet':>11s} {'TPOT in prefill':>16s} {'rise':>8s} {'long TTFT':>10s}")
+    print(f"\n{'engine':9s} {'TPOT quiet':>11s} {'TPOT in prefill':>16s} {'rise':>8s} {'long TTFT':>10s}")
     for name, s in summary.items():
-        print(f"{name:8s} {s['tpot_quiet_ms']:9.1f}ms {s['tpot_prefill_ms']:14.1f}ms {s['rise']:+8.0%} "
+        print(f"{name:9s} {s['tpot_quiet_ms']:9.1f}ms {s['tpot_prefill_ms']:14.1f}ms {s['rise']:+8.0%} "
               f"{s['long_ttft_s']:9.2f}s")
     print(f"(medians of {args.rounds} rounds; {args.users} users, {args.long_tokens}-token prompt, "
           f"max_num_batched_tokens {args.max_num_batched_tokens}; goal: pd rise < 10%)")

@@ -2,8 +2,8 @@
 weights once. Measured from /proc/<pid>/smaps: each worker's mapping of model.safetensors (resident pages, and
 their proportional share: a page mapped by both workers counts half in each). A worker holding its own copy
 would show no shared pages and each worker's PSS equal to its RSS, their sum twice the weights.
-Also greedy tokens through the two worker processes equal the single-process engine's (Mixtral, GQA), and a
-killed prefill worker is restarted, a request sent meanwhile waiting for it."""
+Also greedy tokens through the two worker processes, each pinned to a CPU, equal the single-process engine's
+(Mixtral, GQA), and a killed prefill worker is restarted (pinned again), a request sent meanwhile waiting for it."""
 
 from __future__ import annotations
 
@@ -96,11 +96,16 @@ def test_pd_workers_give_the_single_engine_greedy_tokens_mixtral(tiny_model_dir)
     prompts = [[5, 17, 33, 8, 90, 12, 61, 7, 200, 31, 4, 77], [44, 3, 81], [9] * 30]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     expected = [r.token_ids for r in LLM(model_dir, dtype="float32").generate(prompts, params)]
-    engine = PDEngine(model_dir, EngineConfig(dtype="float32", kv_cache_gb=0.05))
+    cpus = sorted(os.sched_getaffinity(0))  # each worker on a CPU of its own where there are two
+    engine = PDEngine(model_dir, EngineConfig(dtype="float32", kv_cache_gb=0.05), prefill_cpus=cpus[:1],
+                      decode_cpus=cpus[-1:])
     engine.start()
     try:
         engine.wait_ready_sync(HANG_S)
         assert asyncio.run(_run(engine, prompts, params)) == expected
+        pids = engine.worker_pids()
+        assert os.sched_getaffinity(pids["prefill"]) == {cpus[0]}
+        assert os.sched_getaffinity(pids["decode"]) == {cpus[-1]}
         stats = engine.stats()
         assert stats.kv_blocks_used == 0 and stats.num_running_requests == 0
         # the prefill worker dies: it is restarted, and a request sent meanwhile waits for it and succeeds
@@ -112,5 +117,6 @@ def test_pd_workers_give_the_single_engine_greedy_tokens_mixtral(tiny_model_dir)
             time.sleep(0.02)
         assert asyncio.run(_run(engine, prompts[:1], params)) == expected[:1]
         assert engine.worker_pids()["prefill"] not in (None, dead)
+        assert os.sched_getaffinity(engine.worker_pids()["prefill"]) == {cpus[0]}
     finally:
         engine.shutdown()

@@ -41,6 +41,10 @@ def register(subparsers) -> None:
     group.add_argument("--kv-budget", type=float, default=1.0,
                        help="with --pd: the KV handoff's SpectrumKV budget, 1.0 (full precision, default) down to "
                             "0.25 (INT8 for the less important tokens below 1, INT4 below 0.5)")
+    group.add_argument("--pd-prefill-cpus", default=None, metavar="LIST",
+                       help="with --pd: the CPUs the prefill worker runs on, e.g. 0-3 (default: all)")
+    group.add_argument("--pd-decode-cpus", default=None, metavar="LIST",
+                       help="with --pd: the CPUs the decode worker runs on, e.g. 4-15 (default: all)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(func=run)
 
@@ -59,9 +63,12 @@ def run(args) -> int:
     if args.pd:
         from hybridmoe.disagg.engine import PDEngine
 
-        engine = PDEngine(args.model, config, kv_budget=args.kv_budget)
+        engine = PDEngine(args.model, config, kv_budget=args.kv_budget, prefill_cpus=args.pd_prefill_cpus,
+                          decode_cpus=args.pd_decode_cpus)
     else:
-        if args.kv_budget != 1.0:
-            raise ValueError("--kv-budget sets the KV handoff of --pd; without --pd there is none")
+        for flag, value, default in (("--kv-budget", args.kv_budget, 1.0), ("--pd-prefill-cpus", args.pd_prefill_cpus,
+                                     None), ("--pd-decode-cpus", args.pd_decode_cpus, None)):
+            if value != default:
+                raise ValueError(f"{flag} sets up --pd's workers; without --pd there are none")
         engine = AsyncLLMEngine(args.model, config)
     return run_server(engine, settings, args.host, args.port, args.shutdown_timeout, args.log_level)

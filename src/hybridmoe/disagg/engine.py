@@ -34,6 +34,7 @@ from pathlib import Path
 
 from hybridmoe.checkpoint.default_model import resolve_model_dir
 from hybridmoe.disagg import messages as m
+from hybridmoe.disagg.cpus import check_cpus
 from hybridmoe.disagg.handoff import check_budget
 from hybridmoe.disagg.shm import owner_prefix, remove, sweep
 from hybridmoe.disagg.worker import DECODE, PREFILL
@@ -75,13 +76,17 @@ class _WorkerSlot:
 
 class PDEngine:
     def __init__(self, model: str | Path, config: EngineConfig | None = None, kv_budget: float = 1.0,
-                 on_request_finished: Callable[[RequestOutput], None] | None = None):
+                 on_request_finished: Callable[[RequestOutput], None] | None = None,
+                 prefill_cpus: list[int] | str | None = None, decode_cpus: list[int] | str | None = None):
         """model, config: as LLMEngine takes them (each worker builds its own engine with this config).
         kv_budget: the SpectrumKV budget of the handoff (1.0: every token at full precision, the same tokens as
-        one engine; 0.5: INT8 for the less important half; down to 0.25)."""
+        one engine; 0.5: INT8 for the less important half; down to 0.25).
+        prefill_cpus, decode_cpus: the CPUs each worker runs on (a list, or text like "0-3,8"; None: all of this
+        process's), see disagg/cpus.py."""
         self.model = model
         self.config = config or EngineConfig()
         self.kv_budget = check_budget(kv_budget)
+        self.cpus = {PREFILL: check_cpus(prefill_cpus, "prefill_cpus"), DECODE: check_cpus(decode_cpus, "decode_cpus")}
         self.on_request_finished = on_request_finished
         self.load_error: BaseException | None = None
         self.prefix = owner_prefix()
@@ -290,7 +295,7 @@ class PDEngine:
         finally:
             theirs.close()
         conn = Connection(ours.detach())
-        conn.send(m.Init(role, str(self._model_dir), self.config, self.prefix, self.kv_budget))
+        conn.send(m.Init(role, str(self._model_dir), self.config, self.prefix, self.kv_budget, self.cpus[role]))
         return process, conn
 
     def _read(self, role: str, conn) -> None:

@@ -20,6 +20,7 @@ class Init:  # the first message: what the worker is and loads
     config: EngineConfig
     prefix: str  # its shared-memory segments' name prefix
     kv_budget: float
+    cpus: list[int] | None = None  # the CPUs it runs on (None: all of the front's)
 
 
 @dataclass

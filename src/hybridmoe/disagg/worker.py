@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from hybridmoe.disagg import handoff, messages as m
+from hybridmoe.disagg.cpus import pin_to
 from hybridmoe.disagg.shm import remove, sweep
 from hybridmoe.kv.layout import KVLayout
 from hybridmoe.runtime.engine import EngineConfig, LLMEngine, RequestOutput
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
         init = conn.recv()
     except EOFError:
         return
+    if init.cpus is not None:
+        pin_to(init.cpus)
     run_worker(init.role, conn, init.model, init.config, init.prefix, init.kv_budget)
 
 
