@@ -291,7 +291,7 @@ class PDEngine:
         ours, theirs = socket.socketpair()
         try:
             process = subprocess.Popen([sys.executable, "-m", "hybridmoe.disagg.worker", "--fd", str(theirs.fileno())],
-                                       pass_fds=[theirs.fileno()])
+                                       pass_fds=[theirs.fileno()], start_new_session=True)
         finally:
             theirs.close()
         conn = Connection(ours.detach())

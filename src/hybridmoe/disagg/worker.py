@@ -8,7 +8,9 @@ The decode worker adopts each handed-off request (`LLMEngine.adopt_request`, unp
 cache), waiting while its KV blocks are full, and decodes it to the end.
 
 Both run the same loop: wait for messages when idle, apply them between steps, step, send the outputs. A worker
-whose front is gone (its pipe closed: the front crashed) removes the front's shared-memory segments and exits.
+whose front is gone (its socket closed: the front crashed) removes the front's shared-memory segments and exits.
+Workers run in a session of their own and ignore SIGINT: a Ctrl-C in the server's terminal is the front's to
+handle (it stops them in order), not a crash of each worker.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import signal
 import sys
 from collections import deque
 from multiprocessing.connection import Connection
@@ -34,6 +37,7 @@ PREFILL, DECODE = "prefill", "decode"
 def main(argv: list[str] | None = None) -> None:
     """`python -m hybridmoe.disagg.worker --fd N`: N is this end of a socket pair to the front, which first sends
     an `Init` (a plain subprocess: nothing of the front's script is re-imported, unlike multiprocessing's spawn)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parser = argparse.ArgumentParser()
     parser.add_argument("--fd", type=int, required=True)
     args = parser.parse_args(argv)
