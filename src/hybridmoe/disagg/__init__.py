@@ -5,9 +5,10 @@ CUDA), both mapping the same checkpoint pages, under one front that the server t
 New prompts go to the prefill worker; once a prompt's KV is complete and its first token sampled, the request
 moves to the decode worker with its KV, packed as a SpectrumKV payload (kv/payload.py) in a shared-memory segment.
 
-Modules: `shm` (named shared-memory segments under one owner's prefix, swept on exit), `handoff` (a request's
+Modules: `shm` (named shared-memory segments under one owner's prefix, swept on exit), `cpus` (the CPUs each
+worker is pinned to), `handoff` (a request's
 KV out of one engine's paged cache into a payload, and from a payload into another's), `messages` (what the front
-and the workers say over their pipes), `worker` (a worker process's main loop), `engine` (`PDEngine`, the front:
+and the workers say over their sockets), `worker` (a worker process's main loop), `engine` (`PDEngine`, the front:
 spawns and watches the workers, routes requests, restarts a worker that died).
 """
 

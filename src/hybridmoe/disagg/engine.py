@@ -10,8 +10,8 @@ SpectrumKV payload in a shared-memory segment and the request continues there. T
 first output comes from the prefill worker, the rest from the decode worker (with the first's arrival and
 first-token times, and its prompt logprobs on the last output).
 
-One watcher thread per worker reads its pipe and delivers outputs to each request's asyncio queue. A worker that
-dies (its pipe closes) fails the requests it held with finish_reason "error" and a message naming the worker and
+One watcher thread per worker reads its socket and delivers outputs to each request's asyncio queue. A worker that
+dies (its socket closes) fails the requests it held with finish_reason "error" and a message naming the worker and
 its exit code (the server answers 500), and is started again; requests that arrive meanwhile wait in its
 backlog. `shutdown()` stops both, ends the requests in flight with "abort" and removes every shared-memory
 segment under this front's prefix (the workers do the same when the front itself dies).
@@ -98,14 +98,12 @@ class PDEngine:
         self._first_ready = {PREFILL: threading.Event(), DECODE: threading.Event()}
         self._ids = itertools.count()
         self._closed = False
-        self._started = False
         self._watchers: list[threading.Thread] = []
 
     # ---- life cycle ------------------------------------------------------------------------------------
 
     def start(self) -> None:
         """Spawn both workers (each loads the model; see is_ready, wait_ready)."""
-        self._started = True
         try:
             self._model_dir = resolve_model_dir(self.model)
             self._tokenizer = load_tokenizer(self._model_dir)
@@ -250,7 +248,7 @@ class PDEngine:
             slot.backlog.append(message)
 
     def _watch(self, role: str) -> None:
-        """Start the worker, read its messages until its pipe closes, then restart it (until shutdown)."""
+        """Start the worker, read its messages until its socket closes, then restart it (until shutdown)."""
         slot = self._slots[role]
         while not self._closed:
             process, parent = self._spawn(role)
@@ -274,6 +272,8 @@ class PDEngine:
                 backlog, slot.backlog = slot.backlog, []
                 for message in backlog:
                     self._send_locked(slot, message)
+                if self._closed:  # shut down while it loaded
+                    self._send_locked(slot, m.Stop())
             self._first_ready[role].set()
             self._read(role, parent)
             _reap(process)

@@ -1,4 +1,4 @@
-"""What the front and the workers send each other over their pipes (pickled; small: ids, text, names; the KV
+"""What the front and the workers send each other over their sockets (pickled; small: ids, text, names; the KV
 itself travels in shared memory, see handoff.py)."""
 
 from __future__ import annotations
