@@ -104,7 +104,7 @@ def slp_slice(accel: Accelerator, shape: dict, layers: int, chunk: int, dtype: t
     # the grouped matmul alone (the slot already holds the layer): one layer, timed
     streamer.begin_pass()
     streamer.load(0)
-    streamer.slots[0].copied.result()
+    streamer.drain()
     sync(accel)
     start = time.perf_counter()
     streamer.run(0, x, ids, topk_w)

@@ -1,7 +1,8 @@
 """A rank's share of the routed experts: its experts of every MoE layer (views of the memory-mapped checkpoint:
 only their tensors are ever touched), streamed into the rank's accelerator by stream-loading prefill's
-`ExpertStreamer` (layers/moe/stream_prefill.py: two device slots, a copy stream, whole layers prefetched one layer
-ahead or the chunk's activated experts once routed) and computed there as a grouped matmul over the tokens sent to
+`ExpertStreamer` (layers/moe/stream_prefill.py: two device slots of bounded size, a copy stream, layers streamed as
+splits of a slot's worth of experts, whole layers prefetched as slots free up or the chunk's activated experts once
+routed) and computed there as a grouped matmul over the tokens sent to
 the rank.
 
 Legend: n tokens sent to the rank, H hidden, K top-k, A (token, owned expert) pairs.
@@ -46,17 +47,19 @@ class ShareStreamer:
     """One rank's share of every MoE layer, streamed and computed layer by layer through a chunk's pass.
 
     run(layer, ...) is called for every MoE layer of a chunk in model order (a worker gets every layer's message,
-    with or without tokens): the first MoE layer starts a pass (with copy "all" the first two layers are issued at
-    once; a layer out of that order starts a pass there); copy "all" issues layer l + 2 into the slot layer l just
-    used; copy "activated" issues the experts the rank's tokens chose once they are known. overlap: as
-    ExpertStreamer's (default: copies run beside compute on CUDA; on the stand-in when True).
+    with or without tokens): the first MoE layer starts a pass (a layer out of that order starts a pass there);
+    copy "all" queues every layer from there on, each split's copy issued as soon as its slot is free; copy
+    "activated" queues the experts the rank's tokens chose once they are known. overlap, slot_bytes: as
+    ExpertStreamer's (default: copies run beside compute on CUDA, on the stand-in when True; 1 GiB slots).
     """
 
     def __init__(self, layers: dict[int, ExpertWeights], accel: Accelerator,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES, name: str = "ep", overlap: bool | None = None):
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, name: str = "ep", overlap: bool | None = None,
+                 slot_bytes: int | None = None):
         self.order = sorted(layers)
         self.position = {layer: p for p, layer in enumerate(self.order)}
-        self.streamer = ExpertStreamer([layers[l] for l in self.order], accel, staging_bytes, name, overlap=overlap)
+        self.streamer = ExpertStreamer([layers[l] for l in self.order], accel, staging_bytes, name, overlap=overlap,
+                                       slot_bytes=slot_bytes)
         self.mode = "all"
         self.expected = 0  # the position the pass reaches next
 
@@ -65,23 +68,20 @@ class ShareStreamer:
         """hidden [n, H], local_ids [n, K] (this rank's expert index, -1 for another rank's expert), weights [n, K]
         -> [n, H]: per token, the sum over its experts on this rank of weight * expert(hidden)."""
         streamer, position = self.streamer, self.position[layer]
-        ahead = len(streamer.slots)
         if position == 0 or position != self.expected:  # a new pass (or one resumed where an earlier one broke off)
             if mode not in COPY_MODES:
                 raise ValueError(f"copy mode must be one of {', '.join(COPY_MODES)}, got {mode!r}")
             self.mode = mode
             streamer.begin_pass()
             if mode == "all":
-                for first in range(position, min(position + ahead, len(self.order))):
-                    streamer.load(first)
+                for ahead in range(position, len(self.order)):
+                    streamer.load(ahead)
         self.expected = position + 1
         token_of, slot = (local_ids >= 0).nonzero(as_tuple=True)  # [A], [A]
         ids = local_ids[token_of, slot].long()[:, None]  # [A, 1]
         if self.mode == "activated":
             streamer.load(position, torch.unique(ids).tolist())
         partial = streamer.run(position, hidden[token_of], ids, weights[token_of, slot].float()[:, None])  # [A, H]
-        if self.mode == "all" and position + ahead < len(self.order):
-            streamer.load(position + ahead)
         return torch.zeros_like(hidden).index_add_(0, token_of, partial.to(hidden.dtype))
 
     def stats(self) -> StreamStats:

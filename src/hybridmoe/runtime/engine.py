@@ -239,11 +239,14 @@ class LLMEngine:
             self._attached.append(parallel.close)
             what = f"over {parallel.world_size} ranks (expert parallelism)"
         else:
-            from hybridmoe.layers.moe.stream_prefill import StreamPrefill, planned_copy
+            from hybridmoe.layers.moe.stream_prefill import StreamPrefill, fitting_slot_bytes, planned_copy
 
-            copy = planned_copy(self.placement.builder) if plan is not None and cfg.stream_prefill == "auto" else "all"
+            builder = self.placement.builder if self.placement is not None else None
+            copy = planned_copy(builder) if plan is not None and cfg.stream_prefill == "auto" else "all"
+            # the plan's slot (a layer's experts, at most 1 GiB), cut to what the budget has left for two
+            slot_bytes = fitting_slot_bytes(self.accel, self._planned_slot_bytes(builder))
             try:
-                slp = StreamPrefill(self.model, self.accel, min_tokens, copy)
+                slp = StreamPrefill(self.model, self.accel, min_tokens, copy, slot_bytes=slot_bytes)
             except DeviceMemoryError as error:
                 if cfg.stream_prefill == "on":
                     raise
@@ -259,6 +262,16 @@ class LLMEngine:
             self._stream_gate = blocks
         self.prefill_note = (f"stream-loading prefill {what}: " + ("every prefill step" if cfg.stream_prefill == "on"
                              else f"chunks of at least {min_tokens} tokens (the plan's crossover)"))
+
+    @staticmethod
+    def _planned_slot_bytes(builder) -> float | None:
+        """The planner's stream-loading slot size for this model (placement/estimate.py `stream_slots`), or None
+        (no plan: the streamer's default, the same 1 GiB cap)."""
+        if builder is None:
+            return None
+        from hybridmoe.placement.estimate import stream_slots
+
+        return stream_slots(builder, None)[0]
 
     def close(self) -> None:
         """Stop what the engine started beside the model (expert-parallel worker ranks) and free stream-loading
