@@ -17,7 +17,7 @@ from hybridmoe.kernels import isa
 from hybridmoe.layers.moe import staging
 from hybridmoe.layers.moe.backend import ExpertWeights
 from hybridmoe.layers.moe.block import MoEBlock
-from hybridmoe.layers.moe.stream_prefill import ExpertStreamer, StreamPrefill
+from hybridmoe.layers.moe.stream_prefill import ExpertLayout, ExpertStreamer, StreamPrefill
 from hybridmoe.layers.moe.torch_backend import TorchExpertBackend
 from hybridmoe.models.loader import load_model
 from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
@@ -47,7 +47,7 @@ def model_dirs(tiny_model_dir, tmp_path_factory):
     fp8 = write_fp8_checkpoint(tiny_model_dir("deepseek_v3", n_routed_experts=16, num_hidden_layers=4),
                                tmp_path_factory.mktemp("fp8") / "deepseek_v3")
     return {"deepseek_v3": fp8, "qwen3_moe": tiny_model_dir("qwen3_moe", num_experts=16, num_hidden_layers=4),
-            "mixtral": tiny_model_dir("mixtral", num_hidden_layers=3)}
+            "mixtral": tiny_model_dir("mixtral", num_local_experts=8, num_hidden_layers=3)}
 
 
 def _moe_blocks(model) -> list[MoEBlock]:
@@ -77,7 +77,7 @@ def test_same_greedy_tokens_as_the_plain_engine(model_dirs, model_type):
             assert stats.bytes == stats.passes * layers * weights.nbytes()
         else:
             assert stats.bytes == per_expert * sum(activated)
-            if model_type != "mixtral":  # (its 4 experts are all activated) 16 experts: some were not copied
+            if model_type != "mixtral":  # (its 8 experts may all be activated) 16 experts: some were not copied
                 assert stats.bytes < stats.passes * layers * weights.nbytes()
         assert stats.copy_s > 0 and stats.copy_gbs > 0 and stats.staging == "pinned"
 
@@ -232,3 +232,120 @@ def test_cuda_same_greedy_tokens(model_dirs, model_type):
         assert stats.staging == "pinned" and stats.bytes > 0 and stats.copy_gbs > 0
         assert accel.peak_bytes <= 64 << 20
         slp.detach()
+
+
+SPLIT = 3  # experts a slot holds in the split tests: far fewer than a layer's
+
+
+def _split_slot_bytes(model) -> int:
+    return SPLIT * ExpertLayout.of(_moe_blocks(model)[0].experts.weights).stride
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "mixtral"])
+def test_slots_smaller_than_a_layer_same_greedy_tokens(model_dirs, model_type):
+    """Layers streamed as splits of 3 experts through two slots within a budget far below one layer: the plain
+    engine's tokens, and the same bytes as whole layers / activated experts."""
+    plain = [r.token_ids for r in LLM(model_dirs[model_type], dtype="float32").generate(_prompts(), GREEDY)]
+    for copy in ("all", "activated"):
+        llm = LLM(model_dirs[model_type], dtype="float32")
+        blocks = _moe_blocks(llm.engine.model)
+        weights = blocks[0].experts.weights
+        slot_bytes = _split_slot_bytes(llm.engine.model)
+        assert weights.num_experts > SPLIT and 2 * slot_bytes < weights.nbytes()
+        activated: list[int] = []
+        llm.engine.model.add_routing_observer(
+            lambda _i, ids: activated.append(len(torch.unique(ids))) if ids.shape[0] >= MIN_TOKENS else None)
+        accel = Accelerator("cpu", budget_bytes=2 * slot_bytes)
+        slp = StreamPrefill(llm.engine.model, accel, min_tokens=MIN_TOKENS, copy=copy, slot_bytes=slot_bytes)
+        assert [r.token_ids for r in llm.generate(_prompts(), GREEDY)] == plain, copy
+        stats = slp.stats()
+        layers = len(blocks)
+        assert stats.experts_per_slot == SPLIT and stats.slot_bytes == slot_bytes
+        assert accel.peak_bytes <= 2 * slot_bytes
+        assert stats.passes >= 1 and stats.layers_copied == stats.passes * layers
+        if copy == "all":
+            assert stats.bytes == stats.passes * layers * weights.nbytes()
+            assert stats.splits_copied == stats.passes * layers * -(-weights.num_experts // SPLIT)
+        else:
+            assert stats.bytes == weights.expert_bytes(0) * sum(activated)
+            assert stats.splits_copied == sum(-(-n // SPLIT) for n in activated)
+        slp.detach()
+        assert accel.held_bytes == 0
+
+
+@pytest.mark.parametrize("copy", ["all", "activated"])
+def test_split_schedule_from_the_trace(model_dirs, copy):
+    """Unit u (a split of a layer) goes to slot u % 2; each compute waits only for its own unit's copy; a slot is
+    refilled only after the compute that last read it; with copy "all" the next unit's copy (the next split, or
+    the next layer's first) is issued before the current unit's compute ends."""
+    model = load_model(model_dirs["qwen3_moe"], "float32")
+    accel = Accelerator("cpu", trace=True)
+    StreamPrefill(model, accel, min_tokens=MIN_TOKENS, copy=copy, slot_bytes=_split_slot_bytes(model))
+    _one_forward(model, prompt_len=24)
+    events = _trace(accel)
+    units = []  # (layer, split) in copy order, and their slots
+    for kind, label, stream in events:
+        if kind == "copy":
+            layer, split, slot = map(int, re.fullmatch(r"layer (\d+) split (\d+) -> slot (\d+)", label).groups())
+            assert slot == len(units) % 2 and stream == "copy"
+            units.append((layer, split))
+    layers = len(_moe_blocks(model))
+    per_layer = [sum(1 for l, _ in units if l == layer) for layer in range(layers)]
+    assert all(n >= 2 for n in per_layer)  # every layer took several splits
+    if copy == "all":
+        assert per_layer == [-(-16 // SPLIT)] * layers
+    assert units == [(l, s) for l in range(layers) for s in range(per_layer[l])]  # the flat stream order
+    names = [f"layer {l} split {s}" for l, s in units]
+    at = {(kind, label): i for i, (kind, label, _) in reversed(list(enumerate(events)))}
+    compute_waits = [label for kind, label, stream in events if kind == "wait" and stream == "compute"]
+    assert compute_waits == [f"{name} copied" for name in names]
+    for u, name in enumerate(names):
+        computes = at[("compute", f"{name} experts")]
+        assert events[computes - 1] == ("wait", f"{name} copied", "compute")
+        if u + 1 < len(names) and (copy == "all" or units[u + 1][0] == units[u][0]):
+            assert at[("copy", f"{names[u + 1]} -> slot {(u + 1) % 2}")] < at[("record", f"{name} computed")]
+        if u + 2 < len(names):
+            wait = next(i for i, (k, label, s) in enumerate(events)
+                        if k == "wait" and s == "copy" and label == f"{name} computed")
+            assert at[("record", f"{name} computed")] < wait < at[("copy", f"{names[u + 2]} -> slot {u % 2}")]
+    assert all(not (kind == "wait" and stream == "copy" and not label.endswith("computed"))
+               for kind, label, stream in events)
+
+
+def test_split_streamer_matches_the_whole_layer():
+    """A streamer over a subset of experts with slots of 2 experts, ids local to the subset: the layer's output
+    equals the plain backend's, for every layer, including a layer no token routes to."""
+    gen = torch.Generator().manual_seed(4)
+    E, H, I, T, K = 7, 16, 8, 12, 2
+    mat = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    full = [ExpertWeights("dense", [mat(I, H) for _ in range(E)], [mat(I, H) for _ in range(E)],
+                          [mat(H, I) for _ in range(E)]) for _ in range(3)]
+    owned = [0, 2, 3, 5, 6]
+    stride = ExpertLayout.of(full[0]).stride
+    accel = Accelerator("cpu")
+    streamer = ExpertStreamer([w.subset(owned) for w in full], accel, slot_bytes=2 * stride + 1)
+    assert streamer.capacity == 2 and accel.peak_bytes == 2 * 2 * stride
+    hidden = mat(T, H)
+    ids = torch.randint(0, E, (T, K), generator=gen)
+    weights = torch.rand(T, K, generator=gen)
+    mine = torch.isin(ids, torch.tensor(owned))
+    local = torch.where(mine, torch.searchsorted(torch.tensor(owned), ids), 0)
+    streamer.begin_pass()
+    for layer in range(3):
+        streamer.load(layer)
+    for layer, w in enumerate(full):
+        got = streamer.run(layer, hidden, local, weights * mine)
+        torch.testing.assert_close(got, TorchExpertBackend(w).submit(hidden, ids, weights * mine))
+    streamer.begin_pass()
+    streamer.load(0, [1, 3, 4])  # activated: two splits
+    streamer.load(1, [])  # no token routes to the layer
+    picked = torch.tensor([1, 3, 4])
+    sel = torch.isin(local, picked) & mine
+    got = streamer.run(0, hidden, local, weights * sel)
+    torch.testing.assert_close(got, TorchExpertBackend(full[0]).submit(hidden, ids, weights * sel))
+    assert torch.count_nonzero(streamer.run(1, hidden[:0], local[:0], weights[:0])) == 0
+    stats = streamer.stats()
+    assert stats.splits_copied == 3 * 3 + 2 + 1 and stats.layers_copied == 3 + 2
+    with pytest.raises(RuntimeError, match="not loaded"):
+        streamer.run(2, hidden, local, weights)
+    streamer.close()
