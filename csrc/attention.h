@@ -40,9 +40,18 @@ struct DecodeAttnArgs {
   int64_t window = 0;  // > 0: a query at position p attends keys p - window < j <= p (sliding window)
 };
 
-// One unit of work: sequence `seq`, KV head `kv_head`, its query heads [head0, head0 + heads).
+// One unit of work: sequence `seq`, KV head `kv_head`, its query heads [head0, head0 + heads), over keys
+// [key_begin, key_end) of the sequence. `partial` null: the unit has the whole context (the window's keys) and
+// writes the output; otherwise one part of a split context, whose running max, sum and unnormalised accumulator
+// ([heads, 2 + Dv]: m, l, acc) go to `partial` for combine_partials.
 struct AttnUnit {
-  int64_t seq, kv_head, head0, heads;
+  int64_t seq, kv_head, head0, heads, key_begin, key_end;
+  float* partial = nullptr;
+};
+
+// Parts of one split context: units [first, first + parts) cover one (sequence, KV head, heads) in key order.
+struct AttnSplit {
+  int64_t first, parts;
 };
 
 // Query heads one unit computes at most (its accumulators stay in L1/L2 for head dims up to 576).
@@ -51,9 +60,18 @@ constexpr int64_t kAttnMaxHeadsPerUnit = 8;
 // the calling thread and short sequences share a task instead of paying a hand-off each.
 constexpr int64_t kAttnMinTaskMacs = 1 << 18;
 
-// The units of a call, and their split into tasks: task t runs units [task_begin[t], task_begin[t + 1]).
+// Keys a part of a split context has at least: contexts are split only when there are fewer units than threads
+// (one sequence with few KV heads on a many-core machine), into parts of at least this many keys.
+constexpr int64_t kAttnMinSplitKeys = 256;
+
+// The units of a call, and their split into tasks: task t runs units [task_begin[t], task_begin[t + 1]). Split
+// contexts' parts are listed in `splits`, their partial results in `partials` (sized here; units point into it).
 void plan_decode_attention(const DecodeAttnArgs& a, int threads, std::vector<AttnUnit>& units,
-                           std::vector<int64_t>& task_begin);
+                           std::vector<int64_t>& task_begin, std::vector<AttnSplit>& splits,
+                           std::vector<float>& partials);
+
+// The output of every split context from its parts' partial results (online softmax's merge).
+void combine_partials(const DecodeAttnArgs& a, const std::vector<AttnUnit>& units, const std::vector<AttnSplit>& splits);
 
 // Per-ISA kernels of one unit (attention_simd.h instantiated for each vector vocabulary).
 using AttnUnitFn = void (*)(const DecodeAttnArgs& a, const AttnUnit& u);

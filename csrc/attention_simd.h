@@ -100,8 +100,7 @@ void attention_unit(const DecodeAttnArgs& a, const AttnUnit& u) {
     l[g] = 0.0f;
   }
 
-  const int64_t ctx = a.seq_lens[u.seq];
-  const int64_t start = a.window > 0 ? std::max<int64_t>(0, ctx - a.window) : 0;
+  const int64_t start = u.key_begin, ctx = u.key_end;  // this unit's keys (the window's, or one part of them)
   const E* kbase = static_cast<const E*>(a.k) + u.kv_head * a.k_stride_head;
   const E* vbase = static_cast<const E*>(a.v) + u.kv_head * a.v_stride_head;
   const int64_t bt0 = u.seq * a.block_table_stride;
@@ -246,6 +245,15 @@ void attention_unit(const DecodeAttnArgs& a, const AttnUnit& u) {
     }
   }
 
+  if (u.partial) {  // one part of a split context: [m, l, acc] per head, combined by combine_partials
+    for (int64_t g = 0; g < u.heads; ++g) {
+      float* p = u.partial + g * (Dv + 2);
+      p[0] = m[g];
+      p[1] = l[g];
+      std::copy(acc + g * Dv, acc + (g + 1) * Dv, p + 2);
+    }
+    return;
+  }
   for (int64_t g = 0; g < u.heads; ++g) {
     const float inv = 1.0f / l[g];
     const int64_t o0 = u.seq * a.out_stride_seq + (u.head0 + g) * a.out_stride_head;

@@ -112,3 +112,23 @@ def test_checks_name_the_argument():
         decode_attention(q, k, v.half(), tables, seq_lens, 1.0)
     with pytest.raises(ValueError, match="q"):
         decode_attention(q.double(), k, v, tables, seq_lens, 1.0)
+
+
+@pytest.mark.parametrize("window", [None, 1000])
+def test_long_context_split_over_more_threads_than_units(window):
+    """Fewer (sequence, KV head) units than threads: long contexts are split into parts merged afterwards (the
+    pool may have more threads than CPUs)."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, tables, seq_lens = random_case(gen, 8, 2, 64, 48, 16, [3000, 700, 5], torch.bfloat16)
+    want = reference.paged_decode_attention(q, k, v, tables, seq_lens, 0.125, window)
+    threads = isa.num_threads()
+    try:
+        for n in (8, 13):
+            isa.configure_threads(n)
+            out = torch.empty(3, 8, 48)
+            decode_attention(q, k, v, tables, seq_lens, 0.125, window, out=out)
+            torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
+            single = decode_attention(q[:1], k, v, tables[:1], seq_lens[:1], 0.125, window)  # one sequence alone
+            torch.testing.assert_close(single.double(), want[:1], atol=1e-2, rtol=1e-2)
+    finally:
+        isa.configure_threads(threads)
