@@ -221,13 +221,15 @@ def test_streamer_over_a_subset_of_experts():
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "mixtral"])
 def test_cuda_same_greedy_tokens(model_dirs, model_type):
     """On a GPU: experts streamed through page-locked staging on a copy stream and copy thread, computed in float32
-    on the device, give the plain engine's tokens; the ledger stays within the budget given."""
+    on the device, give the plain engine's tokens, with whole-layer slots and with slots of 3 experts; the ledger
+    stays within the budget given."""
     plain = [r.token_ids for r in LLM(model_dirs[model_type], dtype="float32").generate(_prompts(), GREEDY)]
-    for copy in ("all", "activated"):
+    for copy, split in [("all", False), ("activated", False), ("all", True), ("activated", True)]:
         llm = LLM(model_dirs[model_type], dtype="float32")
         accel = Accelerator("cuda", budget_bytes=64 << 20)
-        slp = StreamPrefill(llm.engine.model, accel, min_tokens=MIN_TOKENS, copy=copy)
-        assert [r.token_ids for r in llm.generate(_prompts(), GREEDY)] == plain, copy
+        slot_bytes = _split_slot_bytes(llm.engine.model) if split else None  # splits of 3 experts, or whole layers
+        slp = StreamPrefill(llm.engine.model, accel, min_tokens=MIN_TOKENS, copy=copy, slot_bytes=slot_bytes)
+        assert [r.token_ids for r in llm.generate(_prompts(), GREEDY)] == plain, (copy, split)
         stats = slp.stats()
         assert stats.staging == "pinned" and stats.bytes > 0 and stats.copy_gbs > 0
         assert accel.peak_bytes <= 64 << 20
