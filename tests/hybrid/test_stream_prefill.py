@@ -17,7 +17,8 @@ from hybridmoe.kernels import isa
 from hybridmoe.layers.moe import staging
 from hybridmoe.layers.moe.backend import ExpertWeights
 from hybridmoe.layers.moe.block import MoEBlock
-from hybridmoe.layers.moe.stream_prefill import ExpertLayout, ExpertStreamer, StreamPrefill
+from hybridmoe.layers.moe.stream_prefill import (DEFAULT_SLOT_BYTES, ExpertLayout, ExpertStreamer, StreamPrefill,
+                                                   fitting_slot_bytes)
 from hybridmoe.layers.moe.torch_backend import TorchExpertBackend
 from hybridmoe.models.loader import load_model
 from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
@@ -351,3 +352,21 @@ def test_split_streamer_matches_the_whole_layer():
     with pytest.raises(RuntimeError, match="not loaded"):
         streamer.run(2, hidden, local, weights)
     streamer.close()
+
+
+def test_fitting_slot_bytes_cuts_the_slot_to_the_budget_left(model_dirs):
+    """What the engine passes: the wanted slot, or half of what the budget has left; streaming then splits."""
+    model = load_model(model_dirs["qwen3_moe"], "float32")
+    layer = _moe_blocks(model)[0].experts.weights.nbytes()
+    assert fitting_slot_bytes(Accelerator("cpu"), 12345) == 12345
+    assert fitting_slot_bytes(Accelerator("cpu")) == DEFAULT_SLOT_BYTES
+    accel = Accelerator("cpu", budget_bytes=layer)
+    accel.empty((layer // 4,), torch.uint8, "resident")
+    slot_bytes = fitting_slot_bytes(accel, 10**9)
+    assert slot_bytes == (layer - layer // 4) // 2
+    slp = StreamPrefill(model, accel, min_tokens=MIN_TOKENS, slot_bytes=slot_bytes)  # fits: 2 slots of < 3/8 layer
+    stride = ExpertLayout.of(_moe_blocks(model)[0].experts.weights).stride
+    assert 1 <= slp.stats().experts_per_slot == slot_bytes // stride < 16
+    _one_forward(model)
+    assert accel.peak_bytes <= layer
+    slp.detach()
