@@ -150,9 +150,10 @@ def test_tables_that_do_not_cover_the_model_leave_the_roofline():
 # ---- the shapes are the engine's: traced on our engine (counted, not timed) ------------------------------
 def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
     """Projections (rows, cols, tokens) run through layers.linear.Linear, einsum shapes (batch, rows, cols, tokens)
-    and SDPA calls of one step of our engine."""
+    and attention calls (SDPA or the paged decode kernel) of one step of our engine."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from hybridmoe.layers import paged_attention
     from hybridmoe.layers.linear import Linear
     from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
 
@@ -174,21 +175,25 @@ def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
 
     runner = ModelRunner(model, 8, 16)
     tokens = list(range(3, 3 + context))
-    project = Linear.__call__
+    project, kernel = Linear.__call__, paged_attention.decode_attention
 
     def recording(self, x):
         linears.append((self.rows, self.cols, x.numel() // x.shape[-1]))
         return project(self, x)
 
+    def counted_kernel(*args, **kwargs):
+        attention[0] += 1
+        return kernel(*args, **kwargs)
+
     with torch.inference_mode():
         if queries == 1:
             runner.forward([SequenceChunk(tokens[:-1], 0, list(range(8)))])
-        Linear.__call__ = recording
+        Linear.__call__, paged_attention.decode_attention = recording, counted_kernel
         try:
             with Trace():
                 runner.forward([SequenceChunk(tokens[-queries:], context - queries, list(range(8)))])
         finally:
-            Linear.__call__ = project
+            Linear.__call__, paged_attention.decode_attention = project, kernel
     return sorted(linears), sorted(einsums), attention[0]
 
 

@@ -139,9 +139,10 @@ def measure_elementwise(timer: OpTimer, dtype: torch.dtype) -> SecondsTable:
 
 
 def measure_attention(timer: OpTimer, config, dtype: torch.dtype) -> tuple[SecondsTable, SecondsTable]:
-    """The engine's context attention of one sequence (paged-cache gather + attend + output copy, as in
-    layers/attention_*.py) at the model's head shape: (one query against C keys, a chunk of T queries from 0)."""
-    from hybridmoe.layers.paged_attention import attend, gather_context
+    """The engine's context attention of one sequence at the model's head shape: (one query against C keys, read in
+    place by the paged decode kernel as decode steps run it; a chunk of T queries from 0, paged-cache gather +
+    attend + output copy as in layers/attention_*.py)."""
+    from hybridmoe.layers.paged_attention import DECODE_KERNEL, attend, decode_attention, gather_context
 
     a = config.attention
     if a.kind == "mla":  # one shared latent "head": keys are latent + rope key, values the latent
@@ -152,17 +153,23 @@ def measure_attention(timer: OpTimer, config, dtype: torch.dtype) -> tuple[Secon
             a.sliding_window
     blocks = -(-max(DECODE_CONTEXTS + PREFILL_TOKENS) // BLOCK)
     table = torch.arange(blocks)
-    cache = torch.randn(2, blocks, BLOCK, kv_heads, key_dim, dtype=dtype)
+    cache = torch.randn(2, blocks, BLOCK, kv_heads, key_dim, dtype=dtype)  # [2, NB, BS, Nk, D]
+    values = cache[0][..., :value_dim] if a.kind == "mla" else cache[1]
 
     def call(queries: int, context: int):
         q = torch.randn(queries, heads, key_dim, dtype=dtype)
         out = torch.empty(queries, heads, value_dim, dtype=dtype)
 
-        def body():
+        def gathered():
             k = gather_context(cache[0], table, context)  # [C, Nk, D]
             v = k[..., :value_dim] if a.kind == "mla" else gather_context(cache[1], table, context)
             out[0:queries] = attend(q, k, v, a.softmax_scale, window)
-        return timer.median_s(body)
+
+        if queries == 1 and DECODE_KERNEL:
+            tables, lens = table[None], torch.tensor([context])  # [1, NB], [1]
+            return timer.median_s(lambda: decode_attention(q, cache[0], values, tables, lens, a.softmax_scale,
+                                                           window, out=out))
+        return timer.median_s(gathered)
 
     decode = [call(1, c) for c in DECODE_CONTEXTS]
     prefill = [call(t, t) for t in PREFILL_TOKENS]
