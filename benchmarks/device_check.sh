@@ -36,19 +36,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 failed=0
 
-step() {  # step SECONDS LOGFILE COMMAND...: time-boxed, output to $OUT/LOGFILE, its last lines to the screen
-  local seconds=$1 log=$2; shift 2
-  local left=$((DEADLINE - SECONDS))
-  [ $left -lt $seconds ] && seconds=$left
-  if [ $seconds -lt 15 ]; then echo "== $log: $* skipped, ${left}s left"; failed=$((failed + 1)); return; fi
-  echo "== $log: $* (at most ${seconds}s)"
-  local start=$SECONDS
-  timeout "$seconds" "$@" >>"$OUT/$log" 2>&1
-  local status=$?
-  tail -${TAIL:-20} "$OUT/$log"
-  echo "-- $log: status $status after $((SECONDS - start))s"
-  [ $status -eq 0 ] || failed=$((failed + 1))
-}
+. benchmarks/check_step.sh
 
 TAIL=40 step 400 build.log env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
   "$PYTHON" -m pip install --no-deps --no-build-isolation --no-index -q -e . || true

@@ -38,19 +38,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 failed=0
 
-step() {  # step SECONDS LOGFILE COMMAND...: time-boxed, output to $OUT/LOGFILE, its last lines to the screen
-  local seconds=$1 log=$2; shift 2
-  local left=$((DEADLINE - SECONDS))
-  [ $left -lt $seconds ] && seconds=$left
-  if [ $seconds -lt 15 ]; then echo "== $log: $* skipped, ${left}s left"; failed=$((failed + 1)); return; fi
-  echo "== $log: $* (at most ${seconds}s)"
-  local start=$SECONDS
-  timeout "$seconds" "$@" >>"$OUT/$log" 2>&1
-  local status=$?
-  tail -${TAIL:-20} "$OUT/$log"
-  echo "-- $log: status $status after $((SECONDS - start))s"
-  [ $status -eq 0 ] || failed=$((failed + 1))
-}
+. benchmarks/check_step.sh
 
 OUT="$OUT" PYTHON="$PYTHON" STEPS="" DEADLINE=$((DEADLINE / 2)) bash benchmarks/device_check.sh || true
 "$PYTHON" -c "import hybridmoe.kernels._native" 2>/dev/null || { echo "build failed"; exit 99; }
