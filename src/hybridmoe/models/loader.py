@@ -12,6 +12,7 @@ from hybridmoe.kernels.isa import cpu_features
 from hybridmoe.layers.moe.cpu_backend import CpuExpertBackend
 from hybridmoe.layers.moe.torch_backend import TorchExpertBackend
 from hybridmoe.models.decoder import ExpertBackendFactory, MoEDecoderModel, build_decoder
+from hybridmoe.models.transformed_weights import TransformedWeights
 from hybridmoe.models.weight_loader import WeightLoader
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,9 +41,11 @@ def expert_backend_factory(name: str) -> ExpertBackendFactory:
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", expert_backend: str = "cpu",
-               config: ModelConfig | None = None, show_progress: bool | None = None) -> MoEDecoderModel:
+               config: ModelConfig | None = None, show_progress: bool | None = None,
+               transformed: TransformedWeights | None = None) -> MoEDecoderModel:
+    """transformed: where the weights made at load go (None: this process's memory; see WeightLoader)."""
     backend_factory = expert_backend_factory(expert_backend)
     config = config or load_config(model_dir)
     reader = CheckpointReader(model_dir)
-    loader = WeightLoader(reader, config, resolve_dtype(dtype), show_progress)
+    loader = WeightLoader(reader, config, resolve_dtype(dtype), show_progress, transformed)
     return build_decoder(config, loader, backend_factory)

@@ -3,8 +3,11 @@
 `WeightLoader.dense(name, shape)` returns a tensor in the model's compute dtype: a zero-copy view of the
 mapped checkpoint when the stored dtype already matches, a converted copy otherwise, and an exact block
 dequantisation for FP8 tensors that carry a `weight_scale_inv`. `WeightLoader.linear(name, shape)` returns a
-projection for the kernels (layers.linear.Linear) in its stored format: FP8 and int4/int8 stay as stored. `WeightLoader.experts(...)` keeps routed
-experts as stored (FP8 stays FP8 for the CPU kernels, BF16 stays BF16 under a float32 compute dtype).
+projection for the kernels (layers.linear.Linear) in its stored format: FP8 and int4/int8 stay as stored.
+`WeightLoader.experts(...)` keeps routed experts as stored (FP8 stays FP8 for the CPU kernels, BF16 stays BF16
+under a float32 compute dtype). The converted and dequantised copies, and router weights converted to float32,
+are the only tensors the loader makes: they go through a `TransformedWeights` (models/transformed_weights.py:
+this process's memory, or a segment that `serve --pd`'s workers share).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from hybridmoe.checkpoint.safetensors_reader import CheckpointError, CheckpointR
 from hybridmoe.config import ModelConfig
 from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.moe.backend import ExpertWeights
+from hybridmoe.models.transformed_weights import PrivateWeights, TransformedWeights
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -26,8 +30,9 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 
 class WeightLoader:
     def __init__(self, reader: CheckpointReader, config: ModelConfig, dtype: torch.dtype,
-                 show_progress: bool | None = None):
+                 show_progress: bool | None = None, transformed: TransformedWeights | None = None):
         self.reader, self.config, self.dtype = reader, config, dtype
+        self.transformed = transformed or PrivateWeights()
         self.block = config.quantization.block_size if config.quantization else (128, 128)
         self.used: set[str] = set()
         self._progress = _Progress(config.num_layers, show_progress)
@@ -37,8 +42,10 @@ class WeightLoader:
         tensor = self.reader.get_checked(name, shape, FLOAT_DTYPES + FP8_DTYPES)
         self.used.add(name)
         if tensor.dtype in FP8_DTYPES:
-            return dequantize_fp8(tensor, self._scale(name, shape), self.block, self.dtype)
-        return tensor if tensor.dtype == self.dtype else tensor.to(self.dtype)
+            scale = self._scale(name, shape)
+            return self._made(name, shape, self.dtype, lambda: dequantize_fp8(tensor, scale, self.block, self.dtype))
+        return tensor if tensor.dtype == self.dtype else self._made(name, shape, self.dtype,
+                                                                    lambda: tensor.to(self.dtype))
 
     def linear(self, name: str, shape: tuple[int, int], bias: str | None = None) -> Linear:
         """A projection weight [N, K] for the kernels, kept in its stored format: FP8 with its block scales,
@@ -61,7 +68,11 @@ class WeightLoader:
         """Router weights and biases: kept in float32 as the reference routers compute in float32."""
         tensor = self.reader.get_checked(name, shape, FLOAT_DTYPES)
         self.used.add(name)
-        return tensor.float()
+        return tensor if tensor.dtype == torch.float32 else self._made(name, shape, torch.float32, tensor.float)
+
+    def _made(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, make) -> torch.Tensor:
+        """Checkpoint tensor `name` made into [shape] of dtype by make(), kept where `transformed` keeps it."""
+        return self.transformed.get(f"{name}:{str(dtype).removeprefix('torch.')}", tuple(shape), dtype, make)
 
     def experts(self, names: Iterable[tuple[str, str, str]], inter: int, hidden: int) -> ExpertWeights:
         """Routed experts from (gate, up, down) weight names per expert.

@@ -32,6 +32,7 @@ from hybridmoe.models.dual_batch import OVERLAP_CHOICES, plan_tiers
 from hybridmoe.models.dual_batch import choose as choose_dual_batch
 from hybridmoe.models.loader import load_model, resolve_dtype
 from hybridmoe.models.placement import load_plan_file, place_model, placement_report, plan_placement
+from hybridmoe.models.transformed_weights import TransformedWeights
 from hybridmoe.runtime.block_manager import BlockManager
 from hybridmoe.runtime.detokenizer import IncrementalDetokenizer
 from hybridmoe.runtime.logprobs import PromptLogprobs, TokenLogprobs, token_logprobs
@@ -140,15 +141,17 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, show_progress: bool | None = None):
-        """model_dir: a local Hugging Face model directory, or `demo` (the embedded demo model)."""
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, show_progress: bool | None = None,
+                 transformed: TransformedWeights | None = None):
+        """model_dir: a local Hugging Face model directory, or `demo` (the embedded demo model). transformed: where
+        the weights the loader makes go (None: this process; `serve --pd`'s workers share a segment)."""
         self.config = cfg = config or EngineConfig()
         check_kv_cache_fits(cfg.kv_cache_gb)
         self.model_dir = model_dir = resolve_model_dir(model_dir)
         self.model_config = load_config(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(model_dir, resolve_dtype(cfg.dtype), cfg.expert_backend,
-                                config=self.model_config, show_progress=show_progress)
+                                config=self.model_config, show_progress=show_progress, transformed=transformed)
         num_blocks = ModelRunner.blocks_for_memory(self.model, int(cfg.kv_cache_gb * 2**30), cfg.block_size)
         if num_blocks == 0:
             block_bytes = self.model.kv_bytes_per_token() * cfg.block_size

@@ -1,0 +1,30 @@
+"""Where the loader puts the weights it makes at load rather than viewing in the mapped checkpoint.
+
+`WeightLoader` hands out zero-copy views of the checkpoint where the stored dtype is the one computed in; what it
+has to make instead goes through a `TransformedWeights`: a non-expert float weight converted to the compute
+dtype (a bf16 checkpoint computed in float32), an FP8 one dequantised, a router's weight or bias in float32.
+`get(key, shape, dtype, make)` returns the tensor for `key`: by default `make()`, this process's own copy;
+`disagg.shared_weights` returns a view of a shared-memory segment instead, made once for several processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+
+class TransformedWeights(Protocol):
+    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype,
+            make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The weight `key` ([shape] of dtype), which `make()` computes; read-only for the caller."""
+        ...
+
+
+class PrivateWeights:
+    """Every transformed weight in this process's own memory (what a single engine does)."""
+
+    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype,
+            make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        return make()
