@@ -18,7 +18,7 @@ import platform
 import threading
 import time
 
-from hybridmoe.profiling.timing import best_time, last_level_cache_bytes
+from hybridmoe.profiling.timing import best_time, last_level_cache_bytes, release_freed_memory
 
 EXPERT_SHAPE = (2048, 768)  # (H, I): Qwen3-30B-A3B's routed experts
 TOKENS = (1, 4, 16, 64)
@@ -80,8 +80,10 @@ class Measurer:
         """(call(hidden, ids, weights), bytes per expert, name of what measured)."""
         torch = self.torch
         g = torch.Generator().manual_seed(0)
-        mats = [[torch.randn(*shape, generator=g) * 0.05 for shape in ((inter, hidden), (inter, hidden),
-                                                                       (hidden, inter))] for _ in range(num_experts)]
+        # float32 matrices one expert at a time, each converted before the next is drawn: thousands of these
+        # medium-sized temporaries alive at once stay in glibc's heap after they are freed (GBs of RSS kept)
+        mats = ([torch.randn(*shape, generator=g) * 0.05 for shape in ((inter, hidden), (inter, hidden),
+                                                                      (hidden, inter))] for _ in range(num_experts))
         try:
             from hybridmoe.kernels import isa
             from hybridmoe.layers.moe.backend import ExpertWeights
@@ -191,11 +193,12 @@ class Measurer:
 
 
 def _expert_weights(fmt: str, mats, ExpertWeights):
-    """Synthetic expert weights in a kernel format (bf16 / fp8 block / int4 group 32)."""
+    """Synthetic expert weights in a kernel format (bf16 / fp8 block / int4 group 32) from `mats`, an iterable of
+    each expert's float [gate, up, down]."""
     import torch
 
     if fmt == "bf16":
-        parts = [[m.to(torch.bfloat16) for m in e] for e in mats]
+        parts = [[m.to(torch.bfloat16) for m in e] for e in mats]  # [E][3]
         return ExpertWeights("dense", *[list(x) for x in zip(*parts)])
     if fmt == "fp8":
         from hybridmoe.checkpoint.fp8 import quantize_fp8 as quantize
@@ -213,7 +216,15 @@ def _expert_weights(fmt: str, mats, ExpertWeights):
 
 def build_profile(quick: bool, formats: tuple[str, ...], log=print, model_dir=None) -> dict:
     """Measure everything and return the profile dictionary (see module docstring); with `model_dir`, the
-    engine's op tables for that model too."""
+    engine's op tables for that model too. The GBs of synthetic weights measured are given back to the system
+    afterwards, not kept in this process's heap."""
+    try:
+        return _measure_profile(quick, formats, log, model_dir)
+    finally:
+        release_freed_memory()
+
+
+def _measure_profile(quick: bool, formats: tuple[str, ...], log, model_dir) -> dict:
     import torch
 
     import hybridmoe
