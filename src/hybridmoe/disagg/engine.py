@@ -38,7 +38,7 @@ from hybridmoe.disagg.cpus import check_cpus
 from hybridmoe.disagg.handoff import check_budget
 from hybridmoe.disagg.shm import owner_prefix, remove, sweep
 from hybridmoe.disagg.worker import DECODE, PREFILL
-from hybridmoe.runtime.async_engine import EngineNotReadyError
+from hybridmoe.runtime.async_engine import EngineNotReadyError, drain
 from hybridmoe.runtime.engine import EngineConfig, RequestOutput
 from hybridmoe.runtime.sampling_params import SamplingParams
 from hybridmoe.runtime.scheduler import SchedulerStats
@@ -214,18 +214,8 @@ class PDEngine:
                 raise ValueError(f"request id {req_id!r} is already in use")
             self._streams[req_id] = stream
             self._send_locked(self._slots[PREFILL], m.Add(req_id, prompt, params or SamplingParams()))
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(req_id)
+        async for item in drain(stream.queue, lambda: self.abort(req_id)):
+            yield item
 
     def abort(self, req_id: str) -> None:
         """End req_id wherever it is (unknown or finished ids are ignored); its caller gets finish_reason "abort"."""

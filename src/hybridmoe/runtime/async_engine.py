@@ -119,23 +119,8 @@ class AsyncLLMEngine:
                 raise ValueError(f"request id {req_id!r} is already in use")
             self._streams[req_id] = stream
             self._inbox.put(("add", req_id, prompt, params or SamplingParams()))
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if not item.finished and not stream.queue.empty():
-                    item = _coalesce(item, stream.queue)
-                    if isinstance(item, BaseException):
-                        finished = True
-                        raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(req_id)
+        async for item in drain(stream.queue, lambda: self.abort(req_id)):
+            yield item
 
     def abort(self, req_id: str) -> None:
         """End req_id (thread-safe; unknown or finished ids are ignored); its KV blocks are freed before the next
@@ -255,6 +240,26 @@ class AsyncLLMEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:
             pass
+
+
+async def drain(q: asyncio.Queue, abort: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """Yield a request's outputs from q (RequestOutput items, or an exception that ends the request and is
+    raised), those waiting merged into one (_coalesce), up to the finished one; abort() when the caller stops
+    early."""
+    finished = False
+    try:
+        while not finished:
+            item = await q.get()
+            if not isinstance(item, BaseException) and not item.finished and not q.empty():
+                item = _coalesce(item, q)
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            yield item
+    finally:
+        if not finished:
+            abort()
 
 
 def _coalesce(first: RequestOutput, q: asyncio.Queue) -> RequestOutput | BaseException:
