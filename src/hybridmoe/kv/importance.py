@@ -26,33 +26,35 @@ KEY_CHUNK = 1024
 
 
 def window_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float, key_chunk: int = KEY_CHUNK) -> torch.Tensor:
-    """q [w, N, D] (the queries of the last w context positions), k [C, Nk, D] -> float32 [C]: attention mass
-    each key receives, summed over the w causal queries, averaged over the N heads."""
+    """q [w, N, D] (the queries of the last w context positions), k [C, Nk, D] -> float32 [C] on the host:
+    attention mass each key receives, summed over the w causal queries, averaged over the N heads (computed where
+    q and k are)."""
     w, heads, dim = q.shape
     ctx, kv_heads = k.shape[0], k.shape[1]
     group = heads // kv_heads
     qg = q.float().view(w, kv_heads, group, dim)
-    q_pos = torch.arange(ctx - w, ctx)[:, None]  # [w, 1]
+    device = q.device
+    q_pos = torch.arange(ctx - w, ctx, device=device)[:, None]  # [w, 1]
 
     def logits(start: int) -> torch.Tensor:  # [Nk, g, w, c] for keys start .. start + c
         kc = k[start: start + key_chunk].float()
         out = torch.einsum("wkgd,ckd->kgwc", qg, kc) * scale
-        future = torch.arange(start, start + kc.shape[0])[None, :] > q_pos  # [w, c]
+        future = torch.arange(start, start + kc.shape[0], device=device)[None, :] > q_pos  # [w, c]
         return out.masked_fill_(future, float("-inf"))
 
-    run_max = torch.full((kv_heads, group, w, 1), float("-inf"))
-    run_sum = torch.zeros(kv_heads, group, w, 1)
+    run_max = torch.full((kv_heads, group, w, 1), float("-inf"), device=device)
+    run_sum = torch.zeros(kv_heads, group, w, 1, device=device)
     for start in range(0, ctx, key_chunk):
         chunk = logits(start)
         new_max = torch.maximum(run_max, chunk.amax(-1, keepdim=True))
         run_sum = run_sum * (run_max - new_max).exp() + (chunk - new_max).exp().sum(-1, keepdim=True)
         run_max = new_max
     log_norm = run_max + run_sum.log()
-    mass = torch.empty(ctx)
+    mass = torch.empty(ctx, device=device)
     for start in range(0, ctx, key_chunk):
         chunk = logits(start)
         mass[start: start + chunk.shape[-1]] = (chunk - log_norm).exp().sum(2).mean((0, 1))
-    return mass
+    return mass.cpu()
 
 
 class AttentionImportance:

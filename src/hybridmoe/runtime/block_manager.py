@@ -13,7 +13,9 @@ leading blocks hash the same starts its table with those blocks instead of compu
 (`find_cached_prefix`, then `allocate_slots(..., cached_blocks=...)`). Only full, computed blocks are shared,
 and a shared block is never written to: a request writes only at positions past its cached prefix, which lie
 in blocks of its own. Allocation takes blocks that hold no cached KV first, then evicts the least recently
-freed cached block.
+freed cached block. A request whose cache holds KV that a prefill here would not compute (`kv_exact` False: a
+compressed prompt handed over by hybridmoe.disagg, quantised or with dropped tokens) offers none of its blocks:
+another request must never start from them.
 """
 
 from __future__ import annotations
@@ -139,8 +141,9 @@ class BlockManager:
 
     def cache_full_blocks(self, request: _HasKVProgress) -> None:
         """Register the full blocks among request's num_computed_tokens in the prefix cache. Called once their
-        KV is computed; a request that still runs thereby already shares its prefix with later ones."""
-        if not self.enable_prefix_caching:
+        KV is computed; a request that still runs thereby already shares its prefix with later ones. Nothing for a
+        request whose KV is not exact (`kv_exact` False): its blocks hold compressed or masked-out KV."""
+        if not self.enable_prefix_caching or not getattr(request, "kv_exact", True):
             return
         req_id = request.req_id
         num_full = request.num_computed_tokens // self.block_size

@@ -26,6 +26,7 @@ from hybridmoe.accel.accelerator import DeviceMemoryError, parse_bytes, select_a
 from hybridmoe.accel.stats import RunStats
 from hybridmoe.checkpoint.default_model import resolve_model_dir
 from hybridmoe.config import load_config
+from hybridmoe.kv.importance import WINDOW, AttentionImportance
 from hybridmoe.layers.moe.block import MoEBlock
 from hybridmoe.layers.moe.hybrid_backend import TimedOnDevice
 from hybridmoe.models.dual_batch import OVERLAP_CHOICES, plan_tiers
@@ -140,6 +141,14 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
+@dataclass
+class AdoptedKV:
+    """What `adopt_request`'s write_kv put into the cache, when it is not exactly what a prefill here computes."""
+
+    dropped: torch.Tensor | None = None  # bool [prompt tokens]: positions whose KV was dropped (None: none was)
+    exact: bool = True  # False: some of it is quantised or dropped (then never offered to the prefix cache)
+
+
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, show_progress: bool | None = None,
                  transformed: TransformedWeights | None = None):
@@ -190,6 +199,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self._ids = itertools.count()
         self._states: dict[str, _RequestState] = {}
+        self._importance_window: int | None = None  # set_prompt_importance
 
     def _place(self, kv_cache_bytes: int) -> None:
         """Plan (or read the plan file) and move the resident parts onto the accelerator (models/placement.py)."""
@@ -308,6 +318,19 @@ class LLMEngine:
         self._states[req_id] = _RequestState(request, generator, detok, prompt_logprobs)
         return req_id
 
+    def set_prompt_importance(self, on: bool, window: int = WINDOW) -> None:
+        """Score each prompt's tokens by attention importance while it prefills (kv/importance.py: the attention
+        mass each token receives from the prompt's last `window` queries, an observer on the forward that computes
+        the prompt's last token; that step skips the C++ decode kernel; a prompt found in the prefix cache still
+        computes its last `window` tokens). `prompt_importance(req_id)` reads it."""
+        self._importance_window = window if on else None
+        self.scheduler.min_computed_tail = window if on else 1
+
+    def prompt_importance(self, req_id: str) -> torch.Tensor | None:
+        """float32 [prompt tokens]: req_id's attention importance (None until its prefill is complete, or when
+        set_prompt_importance is off)."""
+        return self._states[req_id].importance
+
     def abort_request(self, req_id: str) -> None:
         if req_id in self._states:
             self.scheduler.abort_request(req_id)
@@ -331,8 +354,12 @@ class LLMEngine:
                       write_kv, generator_state: torch.Tensor | None = None) -> None:
         """Take over a request whose prompt another engine prefilled and whose first token it sampled and
         reported: the request runs here from its second token on. write_kv(block_table) fills this engine's
-        cache (`runner.kv_caches`) with the prompt's KV at the table's slots. Raises ValueError when the request
-        cannot be served here (as add_request), or when the KV blocks are not free (check can_adopt first)."""
+        cache (`runner.kv_caches`) with the prompt's KV at the table's slots and returns None when that is what a
+        prefill here would compute, else an AdoptedKV: a compressed prompt, whose dropped positions the request's
+        attention masks (their positions kept: the next token is at position len(prompt_ids)) and whose blocks
+        are not offered to the prefix cache, until a preemption makes it recompute its prompt. Raises ValueError
+        when the request cannot be served here (as add_request), or when the KV blocks are not free (check
+        can_adopt first)."""
         self.add_request(prompt_ids, params, req_id)
         state = self._states[req_id]
         request = state.request
@@ -342,13 +369,17 @@ class LLMEngine:
             scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
             raise ValueError(f"request {req_id!r}: no free KV blocks for its {len(prompt_ids)} tokens")
         try:
-            write_kv(manager.get_block_table(req_id))
+            adopted = write_kv(manager.get_block_table(req_id))
         except BaseException:
             del self._states[req_id]
             scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
             raise
         scheduler.waiting.remove(request)
         request.num_computed_tokens = len(prompt_ids)
+        if adopted is not None:
+            dropped = adopted.dropped if adopted.dropped is not None and bool(adopted.dropped.any()) else None
+            request.kv_dropped = None if dropped is None else dropped.to(torch.bool).cpu()
+            request.kv_exact = adopted.exact and dropped is None
         manager.cache_full_blocks(request)
         request.status = RequestStatus.RUNNING
         scheduler.running.append(request)
@@ -402,10 +433,14 @@ class LLMEngine:
 
     def _run(self, sched) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         """One forward and sampling: the sampled id, and its logprobs where asked, of each request that samples."""
+        if any(item.request.kv_dropped is not None for item in sched.scheduled):
+            # sequences with dropped keys after the plain decodes: those stay the C++ decode kernel's batch
+            sched.scheduled.sort(key=lambda item: item.num_new_tokens != 1 or item.request.kv_dropped is not None)
         chunks, sample_rows, scoring_prompt = [], [], []
         for i, item in enumerate(sched.scheduled):
             req, start = item.request, item.request.num_computed_tokens
-            chunks.append(SequenceChunk(req.all_token_ids[start:start + item.num_new_tokens], start, item.block_table))
+            chunks.append(SequenceChunk(req.all_token_ids[start:start + item.num_new_tokens], start, item.block_table,
+                                        req.kv_dropped))
             if start + item.num_new_tokens >= req.num_tokens:
                 sample_rows.append(i)
             prompt_logprobs = self._states[req.req_id].prompt_logprobs
@@ -417,8 +452,27 @@ class LLMEngine:
             block.prefill_min_tokens = sys.maxsize if decode_only else 1
         streamed = self._stream_stats() if self._stream_stats is not None else None
         stats.begin_step("decode" if decode_only else "prefill")
-        with torch_threads_for_step(sum(item.num_new_tokens for item in sched.scheduled)):  # sampling included
-            return self._forward_and_sample(sched, chunks, sample_rows, scoring_prompt, streamed)
+        trackers = self._importance_trackers(sched) if self._importance_window is not None else {}
+        remove = self.model.add_attention_observer(_dispatch(trackers)) if trackers else None
+        try:
+            with torch_threads_for_step(sum(item.num_new_tokens for item in sched.scheduled)):  # sampling included
+                result = self._forward_and_sample(sched, chunks, sample_rows, scoring_prompt, streamed)
+        finally:
+            if remove is not None:
+                remove()
+        for i, tracker in trackers.items():
+            self._states[sched.scheduled[i].request.req_id].importance = tracker.scores()
+        return result
+
+    def _importance_trackers(self, sched) -> dict[int, AttentionImportance]:
+        """An AttentionImportance per sequence of this step whose chunk ends its prompt (before any output)."""
+        trackers = {}
+        for i, item in enumerate(sched.scheduled):
+            req = item.request
+            start, n = req.num_computed_tokens, req.num_prompt_tokens
+            if req.num_output_tokens == 0 and start < n <= start + item.num_new_tokens:
+                trackers[i] = AttentionImportance(n, self._importance_window, seq=i)
+        return trackers
 
     def _forward_and_sample(self, sched, chunks, sample_rows, scoring_prompt, streamed):
         """_run's forward, prompt scoring and sampling (inside its torch thread scope)."""
@@ -453,6 +507,17 @@ class LLMEngine:
         return sampled, logprobs
 
 
+def _dispatch(trackers: dict[int, AttentionImportance]):
+    """One attention observer feeding each tracked sequence's AttentionImportance (the others cost nothing)."""
+
+    def observe(layer: int, seq: int, q: torch.Tensor, k: torch.Tensor, scale: float) -> None:
+        tracker = trackers.get(seq)
+        if tracker is not None:
+            tracker(layer, seq, q, k, scale)
+
+    return observe
+
+
 def _without_early_stops(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """logits [R, V] with EOS and stop_token_ids at -inf in the rows that have not reached min_tokens (a copy when
     any row changes)."""
@@ -480,6 +545,7 @@ class _RequestState:
         self.new_text = ""
         self.new_logprobs: list[TokenLogprobs] = []
         self.first_token_time: float | None = None
+        self.importance: torch.Tensor | None = None  # attention importance of the prompt (set_prompt_importance)
 
     def take_output(self) -> RequestOutput:
         req = self.request

@@ -3,7 +3,9 @@
 The runner owns the KV cache tensors (one per layer, [num_blocks, block_size, ...] as the model's attention
 lays them out; on the accelerator, counted in its ledger as "kv cache.N", for the layers whose attention a plan
 placed there) and builds the flat batch: token ids and positions of every sequence's new tokens, their cache
-slots, block tables and lengths.
+slots, block tables and lengths, and, for a step holding a sequence whose prompt KV was partly dropped (a
+compressed handoff, hybridmoe.disagg), each sequence's mask of dropped keys (`AttentionMetadata.dropped`; None
+in every other step, which keeps the plain path and the C++ decode kernel).
 
 Legend: T new tokens in the batch, S sequences, V vocabulary.
 """
@@ -27,6 +29,7 @@ class SequenceChunk:
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
+    dropped: torch.Tensor | None = None  # bool [n]: leading positions whose KV was dropped (masked, kept in place)
 
 
 # Below this many tokens in a step, torch's own ops (attention, norms, small matmuls) run on one thread: their
@@ -50,6 +53,22 @@ def torch_threads_for_step(num_tokens: int) -> Iterator[None]:
     finally:
         if single:
             torch.set_num_threads(caller_threads)
+
+
+def dropped_masks(chunks: list[SequenceChunk]) -> list[torch.Tensor | None]:
+    """Each chunk's bool [C] of dropped keys over its context (None where it has none): its mask, False past it
+    and at the positions this step computes (their KV is being written now)."""
+    out: list[torch.Tensor | None] = []
+    for chunk in chunks:
+        if chunk.dropped is None:
+            out.append(None)
+            continue
+        end = chunk.start_pos + len(chunk.token_ids)
+        mask = torch.zeros(end, dtype=torch.bool)
+        n = min(chunk.dropped.shape[0], chunk.start_pos)
+        mask[:n] = chunk.dropped[:n]
+        out.append(mask)
+    return out
 
 
 class ModelRunner:
@@ -88,6 +107,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long), block_tables=block_tables,
             query_lens=query_lens, seq_lens=seq_lens, block_size=bs,
+            dropped=dropped_masks(chunks) if any(c.dropped is not None for c in chunks) else None,
         )
         logits_indices = None  # every token's logits: also each sequence's last when every one has a single token
         if not all_logits and len(token_ids) != len(chunks):

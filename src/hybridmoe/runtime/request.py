@@ -58,6 +58,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    # A request adopted with a compressed prompt KV (hybridmoe.disagg): the prompt positions whose KV was dropped
+    # (the engine's bool mask [prompt tokens], opaque here; attention masks them, their positions stay), and
+    # whether its cache holds what a prefill here would compute (False: quantised or dropped tokens; its blocks
+    # are then never offered to the prefix cache). Preemption, which recomputes the prompt, resets both.
+    kv_dropped: object | None = None
+    kv_exact: bool = True
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -102,3 +108,7 @@ class Request:
             raise ValueError(f"request {self.req_id}: {status.name} is not a finished status")
         self.status = status
         self.finish_reason = reason if reason is not None else FINISH_REASONS[status]
+
+    def forget_compressed_kv(self) -> None:
+        """Its KV is gone (preempted): the recomputed prompt has all its keys, at full precision."""
+        self.kv_dropped, self.kv_exact = None, True

@@ -17,7 +17,9 @@ cache has ends with finish reason "length".
 
 With prefix caching (the BlockManager's), a request being admitted, new or preempted, starts with the cached
 blocks matching its leading tokens as computed and runs only the tokens after them; full blocks are offered to
-the cache as soon as their KV is computed.
+the cache as soon as their KV is computed. `min_computed_tail` (default 1) is how many of a request's last
+tokens admission computes even when they are cached (the engine's prompt importance needs the prompt's last
+queries).
 
 One step: `schedule()` -> run the model on each scheduled request's tokens
 all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens] -> `update_from_output()` with a
@@ -100,6 +102,7 @@ class Scheduler:
         self._finished_while_scheduling: list[Request] = []
         self._computed_tokens = 0
         self._num_preemptions = 0
+        self.min_computed_tail = 1  # tokens at the end of a request that admission computes, cached or not
 
     # ---- requests in and out -------------------------------------------------------------------------
 
@@ -231,6 +234,8 @@ class Scheduler:
             # prompt logprobs need the logits of every prompt position; the cache holds only their KV
             cached = ([] if request.sampling_params.prompt_logprobs is not None
                       else self.block_manager.find_cached_prefix(request))
+            while cached and request.num_tokens - len(cached) * self.block_manager.block_size < self.min_computed_tail:
+                cached.pop()
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new_tokens = min(request.num_tokens - num_cached_tokens, step.token_budget)
             if not self.block_manager.allocate_slots(request, num_new_tokens, cached):
@@ -246,6 +251,7 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.forget_compressed_kv()  # an adopted request's dropped keys come back with the recomputation
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         step.preempted.append(request.req_id)
