@@ -149,7 +149,7 @@ def test_tables_that_do_not_cover_the_model_leave_the_roofline():
 
 # ---- the shapes are the engine's: traced on our engine (counted, not timed) ------------------------------
 def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
-    """Projections (rows, cols, tokens) run through layers.linear.Linear, einsum shapes (batch, rows, cols, tokens)
+    """Projections (rows, cols, tokens) run through layers.linear.Linear, absorption shapes (batch, rows, cols, tokens)
     and attention calls (SDPA or the paged decode kernel) of one step of our engine."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -157,18 +157,13 @@ def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
     from hybridmoe.layers.linear import Linear
     from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
 
-    linears, einsums, attention = [], [], [0]
+    linears, absorptions, attention = [], [], [0]
 
     class Trace(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.einsum.default:
-                (a, b), out = args[0].split("->")[0].split(","), args[0].split("->")[1]
-                x, w = args[1]
-                batch = next(i for i in a if i in b and i in out)
-                contracted = next(i for i in a if i in b and i not in out)
-                produced = next(i for i in b if i not in a)
-                einsums.append((w.shape[b.index(batch)], w.shape[b.index(produced)], w.shape[b.index(contracted)],
-                                x.shape[a.index(next(i for i in a if i not in b))]))
+            if func is torch.ops.aten.bmm.default:  # MLA's absorption per head: x [N, T, K] @ w [N, K, M]
+                x, w = args
+                absorptions.append((w.shape[0], w.shape[2], w.shape[1], x.shape[1]))
             elif func is torch.ops.aten.scaled_dot_product_attention.default:
                 attention[0] += 1
             return func(*args, **(kwargs or {}))
@@ -194,7 +189,7 @@ def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
                 runner.forward([SequenceChunk(tokens[-queries:], context - queries, list(range(8)))])
         finally:
             Linear.__call__, paged_attention.decode_attention = project, kernel
-    return sorted(linears), sorted(einsums), attention[0]
+    return sorted(linears), sorted(absorptions), attention[0]
 
 
 @pytest.mark.parametrize("model_type,overrides", [("deepseek_v3", {}), ("deepseek_v3", {"q_lora_rank": 24}),
@@ -204,10 +199,10 @@ def test_listed_matmuls_are_the_ones_our_engine_runs(tiny_model_dir, model_type,
     from hybridmoe.models.loader import load_model
 
     model = load_model(tiny_model_dir(model_type, **overrides), "float32", "cpu")
-    linears, einsums, attention = traced_matmuls(model, queries, context)
+    linears, absorptions, attention = traced_matmuls(model, queries, context)
     spec = ModelSpec(model.config)
     listed = [(*s, queries) for l in spec.layers for part in ("attention", "router", "shared", "dense")
               for s in spec.part_matmuls(part, l.index)] + [(*spec.part_matmuls("lm_head")[0], 1)]
     assert sorted(listed) == linears
-    assert sorted((*s, queries) for _ in spec.layers for s in spec.absorption_matmuls) == einsums
+    assert sorted((*s, queries) for _ in spec.layers for s in spec.absorption_matmuls) == absorptions
     assert attention == model.config.num_layers

@@ -23,11 +23,17 @@ from hybridmoe.layers.paged_attention import (AttentionMetadata, attend, decode_
 from hybridmoe.layers.rope import RotaryEmbedding
 
 
+def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, N, K] times each head's own matrix w [N, K, M] -> [T, N, M] (MLA's weight absorption): one bmm over
+    the heads, half the call cost of the equivalent einsum at decode's T = 1."""
+    return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
+
+
 @dataclass
 class MLAWeights:
     kv_a_proj: Linear  # [L+R, H]
     kv_a_norm: torch.Tensor  # [L]
-    kv_b_proj: torch.Tensor  # [N*(P+V), L]: absorbed per head into the query and the output (einsums)
+    kv_b_proj: torch.Tensor  # [N*(P+V), L]: absorbed per head into the query and the output (per_head)
     o_proj: Linear  # [H, N*V]
     q_proj: Linear | None = None  # [N*(P+R), H] when q_lora_rank is null
     q_a_proj: Linear | None = None  # [Lq, H]
@@ -70,7 +76,7 @@ class MLAttention:
         q_pe, k_pe = self.rope.apply(q_pe, cos, sin), self.rope.apply(k_pe, cos, sin)
         write_to_cache(cache, meta.slot_mapping, torch.cat((latent, k_pe[:, 0]), dim=-1))
 
-        q_lat = torch.einsum("tnp,npl->tnl", q_nope, self.w_uk)  # [T, N, L]
+        q_lat = per_head(q_nope, self.w_uk)  # [T, N, L]
         q_full = torch.cat((q_lat, q_pe), dim=-1)  # [T, N, L+R]
         out_lat = torch.empty(num_tokens, cfg.num_heads, lora, dtype=x.dtype, device=x.device)
         decoded = decode_kernel_seqs(meta, cache, self.observers)  # leading one-token sequences: rows [0, decoded)
@@ -85,5 +91,5 @@ class MLAttention:
             for observe in self.observers:
                 observe(s, q_full[rows], ctx, cfg.softmax_scale)
             out_lat[rows] = attend(q_full[rows], ctx, ctx[..., :lora], cfg.softmax_scale, None, meta.dropped_keys(s))
-        out = torch.einsum("tnl,nvl->tnv", out_lat, self.w_uv)  # [T, N, V]
+        out = per_head(out_lat, self.w_uv.transpose(1, 2))  # [T, N, V]
         return w.o_proj(out.reshape(num_tokens, -1))

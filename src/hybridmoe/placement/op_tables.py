@@ -7,7 +7,7 @@ the roofline:
 
 - linear: seconds of one matmul against tokens, per weight shape (rows, cols) the model's parts multiply
   (`ModelSpec.part_matmuls`), weights rotated so that they come from where the engine finds them; its fixed
-  cost is that of a 16x16 matmul (`linear_floor_s`); MLA's two absorption einsums likewise per
+  cost is that of a 16x16 matmul (`linear_floor_s`); MLA's two absorption products (one bmm over the heads each) likewise per
   (heads, rows, cols);
 - attention: seconds of the engine's context attention of one sequence (paged-cache gather + attend) at the
   model's head shape, against the context (one query: decode) or the chunk (a prefill from position 0);
@@ -92,7 +92,7 @@ class OpTables:
 
     linear: dict[tuple[int, int], SecondsTable]  # weight (rows, cols) -> tokens -> seconds
     linear_floor_s: float
-    batched: dict[tuple[int, int, int], SecondsTable]  # MLA einsum (heads, rows, cols) -> tokens -> seconds
+    batched: dict[tuple[int, int, int], SecondsTable]  # MLA absorption (heads, rows, cols) -> tokens -> seconds
     elementwise: SecondsTable  # elements -> seconds
     attention_shape: tuple  # (kind, heads, kv heads, key dim, value dim, sliding window or 0)
     attention_decode: SecondsTable  # context -> seconds, one query
@@ -113,7 +113,7 @@ class OpTables:
     def missing_for(self, linear: set, batched: set, attention_shape: tuple, expert_shape: tuple | None) -> list[str]:
         """What these tables lack to cost a model with these shapes (empty: they cover it)."""
         missing = [f"matmul {_key(s)}" for s in sorted(linear - set(self.linear))]
-        missing += [f"einsum {_key(s)}" for s in sorted(batched - set(self.batched))]
+        missing += [f"absorption {_key(s)}" for s in sorted(batched - set(self.batched))]
         if tuple(attention_shape) != tuple(self.attention_shape):
             missing.append(f"attention {attention_shape} (measured {self.attention_shape})")
         if expert_shape is not None and tuple(expert_shape) != tuple(self.expert_shape):

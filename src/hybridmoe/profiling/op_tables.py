@@ -3,7 +3,7 @@
 For one model (loaded into the engine in its default compute dtype), `measure_op_tables` times: a projection at each
 weight shape the model's parts multiply against tokens (weights rotated through as many bytes as the model's
 weights hold, at most twice the last-level cache, so they come from where the engine finds them) and the fixed
-cost of a 16x16 one; MLA's absorption einsums on the engine's strided views of kv_b_proj; the engine's paged-cache
+cost of a 16x16 one; MLA's absorption products on the engine's strided views of kv_b_proj; the engine's paged-cache
 attention at the model's head shape (decode against context, prefill against chunk length); the engine's
 expert kernels per active expert against tokens per expert (the model's own weights, rotated cold); elementwise
 ops against element count; and the engine's host cost on a minimal-width copy of the same architecture (head,
@@ -87,24 +87,26 @@ def measure_linear(timer: OpTimer, shapes: list[tuple[int, int]], dtype: torch.d
     return tables, timer.median_s(lambda: tiny(x), min_repeats=20)
 
 
-def measure_einsums(timer: OpTimer, config, dtype: torch.dtype) -> dict[tuple[int, int, int], SecondsTable]:
-    """Seconds of the engine's two MLA absorption einsums (layers/attention_mla.py) against LINEAR_TOKENS, at
-    the model's shapes, the operands laid out as the engine lays them out (q's no-rope half of [T, N, P+R];
+def measure_absorption(timer: OpTimer, config, dtype: torch.dtype) -> dict[tuple[int, int, int], SecondsTable]:
+    """Seconds of the engine's two MLA absorption products (layers/attention_mla.per_head) against LINEAR_TOKENS,
+    at the model's shapes, the operands laid out as the engine lays them out (q's no-rope half of [T, N, P+R];
     W_uk and W_uv strided views of kv_b_proj). Empty for other attention."""
+    from hybridmoe.layers.attention_mla import per_head
+
     a = config.attention
     if a.kind != "mla":
         return {}
     N, P, R, V, L = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
     kv_b = torch.randn(N * (P + V), L, dtype=dtype).view(N, P + V, L)
-    cases = (((N, L, P), "tnp,npl->tnl", lambda t: torch.randn(t, N, P + R, dtype=dtype)[..., :P], kv_b[:, :P]),
-             ((N, V, L), "tnl,nvl->tnv", lambda t: torch.randn(t, N, L, dtype=dtype), kv_b[:, P:]))
+    cases = (((N, L, P), lambda t: torch.randn(t, N, P + R, dtype=dtype)[..., :P], kv_b[:, :P]),
+             ((N, V, L), lambda t: torch.randn(t, N, L, dtype=dtype), kv_b[:, P:].transpose(1, 2)))
     tables = {}
-    for key, equation, make_x, w in cases:
+    for key, make_x, w in cases:
         tokens = [t for t in LINEAR_TOKENS if t == 1 or 2 * N * key[1] * key[2] * t <= LINEAR_MAX_FLOPS]
         seconds = []
         for t in tokens:
             x = make_x(t)
-            seconds.append(timer.median_s(lambda: torch.einsum(equation, x, w)))
+            seconds.append(timer.median_s(lambda: per_head(x, w)))
         tables[key] = SecondsTable(tuple(tokens), tuple(seconds))
     return tables
 
@@ -271,13 +273,13 @@ class OpTableBench:
         if moe is None:
             raise ValueError(f"{model.config.source}: op tables are measured for MoE models (no MoE layer found)")
         return OpTables(
-            linear=linear, linear_floor_s=floor, batched=measure_einsums(timer, model.config, dtype),
+            linear=linear, linear_floor_s=floor, batched=measure_absorption(timer, model.config, dtype),
             elementwise=measure_elementwise(OpTimer(lambda: None), dtype), attention_shape=spec.attention_shape,
             attention_decode=decode, attention_prefill=prefill,
             expert_shape=(KERNEL_FORMATS[moe.fmt], moe.hidden_size, moe.intermediate_size),
             experts=measure_experts(timer, moe, model.config.moe.num_experts_per_tok, dtype),
             host=measure_host(self.tiny), threads=torch.get_num_threads(), dtype=str(dtype).removeprefix("torch."),
-            notes={"ops": "matmul, einsum, attention and expert calls timed right after a step of the engine on "
+            notes={"ops": "matmul, absorption, attention and expert calls timed right after a step of the engine on "
                           "the minimal-width copy; elementwise ops back to back",
                    "linear": f"the engine's projections at the model's weight shapes, weights rotated through {pool >> 20} MiB",
                    "attention": "the engine's paged-cache gather + attend at the model's head shape",
