@@ -11,7 +11,8 @@ from hybridmoe.disagg.cpus import parse_cpu_list
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--kv-budget", "0.5"], "--kv-budget sets up --pd's workers"),
     (["serve", "--pd-decode-cpus", "0"], "--pd-decode-cpus sets up --pd's workers"),
-    (["serve", "--pd", "--kv-budget", "0.1"], "kv budget must be in"),
+    (["serve", "--kv-importance", "position"], "--kv-importance sets up --pd's workers"),
+    (["serve", "--pd", "--kv-budget", "0.01"], "kv budget must be in"),
     (["serve", "--pd", "--pd-prefill-cpus", "100000"], "prefill_cpus: CPUs [100000] are not among"),
     (["serve", "--pd", "--pd-decode-cpus", "3-1"], "expected numbers and ranges"),
 ])

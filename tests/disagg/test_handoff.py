@@ -125,10 +125,12 @@ def test_kv_budget_one_gives_the_single_engine_greedy_tokens(tiny_model_dir):
     assert run_to_end(dec)["b1"] == expected
 
 
-@pytest.mark.parametrize("budget", [0.1, 1.5])
-def test_a_budget_that_would_drop_tokens_is_refused(budget):
+@pytest.mark.parametrize("budget", [0.0, 0.04, 1.5, float("nan")])
+def test_a_budget_out_of_range_is_refused(budget):
+    """Down to 0.05 (tokens dropped below the cheapest tier, masked by the decode engine); 0 would keep nothing."""
     with pytest.raises(ValueError, match="kv budget must be in"):
         handoff.check_budget(budget)
+    assert handoff.check_budget(0.05) == 0.05
 
 
 def test_payload_of_another_model_or_version_is_refused_and_removed(tiny_model_dir):

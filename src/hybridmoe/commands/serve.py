@@ -39,8 +39,15 @@ def register(subparsers) -> None:
                        help="prefill and decode in two worker processes on this machine, sharing the weights' pages; "
                             "a prompt's KV moves to the decode worker once its first token is sampled")
     group.add_argument("--kv-budget", type=float, default=1.0,
-                       help="with --pd: the KV handoff's SpectrumKV budget, 1.0 (full precision, default) down to "
-                            "0.25 (INT8 for the less important tokens below 1, INT4 below 0.5)")
+                       help="with --pd: the KV handoff's SpectrumKV budget, a fraction of the prompt KV's 16-bit "
+                            "bytes: 1.0 (full precision, default) down to 0.05. Below 1 the less important tokens "
+                            "are INT8; below 0.5 INT4 where the model's cached probe verdict allows it (hybridmoe "
+                            "eval kv-probe; none cached: FULL/INT8 only), and below the cheapest tier's cost the "
+                            "least important tokens are dropped (masked by the decode worker, positions kept)")
+    group.add_argument("--kv-importance", choices=("attention", "position"), default="attention",
+                       help="with --pd and --kv-budget below 1: what ranks the prompt's tokens: attention (the "
+                            "attention mass from the prompt's last 32 queries, computed during the prefill; "
+                            "default) or position (recency only, the paper's baseline)")
     group.add_argument("--pd-prefill-cpus", default=None, metavar="LIST",
                        help="with --pd: the CPUs the prefill worker runs on, e.g. 0-3 (default: all)")
     group.add_argument("--pd-decode-cpus", default=None, metavar="LIST",
@@ -64,10 +71,11 @@ def run(args) -> int:
         from hybridmoe.disagg.engine import PDEngine
 
         engine = PDEngine(args.model, config, kv_budget=args.kv_budget, prefill_cpus=args.pd_prefill_cpus,
-                          decode_cpus=args.pd_decode_cpus)
+                          decode_cpus=args.pd_decode_cpus, kv_importance=args.kv_importance)
     else:
-        for flag, value, default in (("--kv-budget", args.kv_budget, 1.0), ("--pd-prefill-cpus", args.pd_prefill_cpus,
-                                     None), ("--pd-decode-cpus", args.pd_decode_cpus, None)):
+        for flag, value, default in (("--kv-budget", args.kv_budget, 1.0), ("--kv-importance", args.kv_importance,
+                                     "attention"), ("--pd-prefill-cpus", args.pd_prefill_cpus, None),
+                                     ("--pd-decode-cpus", args.pd_decode_cpus, None)):
             if value != default:
                 raise ValueError(f"{flag} sets up --pd's workers; without --pd there are none")
         engine = AsyncLLMEngine(args.model, config)

@@ -35,7 +35,7 @@ from pathlib import Path
 from hybridmoe.checkpoint.default_model import resolve_model_dir
 from hybridmoe.disagg import messages as m
 from hybridmoe.disagg.cpus import check_cpus
-from hybridmoe.disagg.handoff import check_budget
+from hybridmoe.disagg.handoff import check_budget, check_importance
 from hybridmoe.disagg.shm import owner_prefix, remove, sweep
 from hybridmoe.disagg.worker import DECODE, PREFILL
 from hybridmoe.runtime.async_engine import EngineNotReadyError, drain
@@ -77,15 +77,20 @@ class _WorkerSlot:
 class PDEngine:
     def __init__(self, model: str | Path, config: EngineConfig | None = None, kv_budget: float = 1.0,
                  on_request_finished: Callable[[RequestOutput], None] | None = None,
-                 prefill_cpus: list[int] | str | None = None, decode_cpus: list[int] | str | None = None):
+                 prefill_cpus: list[int] | str | None = None, decode_cpus: list[int] | str | None = None,
+                 kv_importance: str = "attention"):
         """model, config: as LLMEngine takes them (each worker builds its own engine with this config).
         kv_budget: the SpectrumKV budget of the handoff (1.0: every token at full precision, the same tokens as
-        one engine; 0.5: INT8 for the less important half; down to 0.25).
+        one engine; 0.5: INT8 for the less important half; lower: INT4 where the model's cached probe verdict
+        allows it, then the least important tokens dropped and masked by the decode worker; down to 0.05).
+        kv_importance: what ranks the prompt's tokens below budget 1: "attention" (attention importance, computed
+        during the prefill) or "position" (position only, the paper's baseline).
         prefill_cpus, decode_cpus: the CPUs each worker runs on (a list, or text like "0-3,8"; None: all of this
         process's), see disagg/cpus.py."""
         self.model = model
         self.config = config or EngineConfig()
         self.kv_budget = check_budget(kv_budget)
+        self.kv_importance = check_importance(kv_importance)
         self.cpus = {PREFILL: check_cpus(prefill_cpus, "prefill_cpus"), DECODE: check_cpus(decode_cpus, "decode_cpus")}
         self.on_request_finished = on_request_finished
         self.load_error: BaseException | None = None
@@ -285,7 +290,8 @@ class PDEngine:
         finally:
             theirs.close()
         conn = Connection(ours.detach())
-        conn.send(m.Init(role, str(self._model_dir), self.config, self.prefix, self.kv_budget, self.cpus[role]))
+        conn.send(m.Init(role, str(self._model_dir), self.config, self.prefix, self.kv_budget, self.cpus[role],
+                         self.kv_importance))
         return process, conn
 
     def _read(self, role: str, conn) -> None:

@@ -2,11 +2,15 @@
 payload into another engine's cache.
 
 The payload is kv/payload.py's, unchanged: prefix and JSON header (format version, model fingerprint, KV layout,
-full-precision dtype, tier ladder, token count, budget), the 2-bit tier map, one segment per layer. At budget 1.0
-(the default) every token is in the full tier, in the cache's own dtype, so the receiver's cache holds exactly
-what the sender's held and decoding gives the same tokens. A lower budget (`--kv-budget`) gives the least
-important tokens (by position: the first tokens and the most recent stay full) INT8, and INT4 below 0.5; budgets
-that would drop tokens are refused (the decode engine has no per-request mask of dropped keys).
+full-precision dtype, tier ladder, INT4 probe verdict, token count, budget), the 2-bit tier map, one segment per
+layer. At budget 1.0 (the default) every token is in the full tier, in the cache's own dtype, so the receiver's
+cache holds exactly what the sender's held and decoding gives the same tokens. Below 1.0 (`--kv-budget`) the
+tokens are ranked by importance (`KVPolicy.importance`: the prompt's attention importance, which the prefill
+worker's engine computes during the prefill, or position only, the paper's baseline) and kv/allocation.py gives
+them tiers from the ladder: FULL/INT8, with INT4 only when the model's cached INT4 probe verdict
+(`hybridmoe eval kv-probe`) allows it; below the cheapest tier's cost the least important tokens are dropped. The
+receiver masks the dropped positions (`AdoptedKV.dropped`, the engine's per-request mask of dropped keys) and
+keeps their positions.
 
 The sender writes the head and each layer's segment straight into a segment of the payload's size; the receiver
 validates the head (model, layout, version: `PayloadError` otherwise), then unpacks layer by layer into its cache.
@@ -16,32 +20,78 @@ Legend: n prompt tokens, W row width.
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from hybridmoe.disagg.shm import Segment
-from hybridmoe.kv.allocation import LADDER_2, LADDER_3, Tier, allocate
+from hybridmoe.kv.allocation import LADDER_2, TIER_NAMES, Tier, allocate
 from hybridmoe.kv.importance import position_importance
 from hybridmoe.kv.layout import KVLayout, config_fingerprint
 from hybridmoe.kv.payload import FULL_DTYPES, PayloadError, PayloadReader, PayloadWriter
+from hybridmoe.kv.probe import VerdictCache, ladder_for, model_fingerprint
+from hybridmoe.runtime.engine import AdoptedKV
 from hybridmoe.runtime.model_runner import torch_threads_for_step
 
 DTYPE_NAMES = {dtype: name for name, dtype in FULL_DTYPES.items()}
-MIN_BUDGET = 0.25  # INT4 for every token; below it tokens would be dropped
+# The lowest budget: 1/20 of the 16-bit bytes keeps the top 10% of the tokens at INT8 (20% at INT4), still above
+# the sinks and the observation window (36 tokens) from a few hundred prompt tokens on; below it almost the whole
+# prompt is gone, and 0 would keep nothing at all (a re-prefill on the decode side would do better).
+MIN_BUDGET = 0.05
+IMPORTANCE = ("attention", "position")  # the prompt's attention importance, or position only (the paper's baseline)
+NO_VERDICT = "unknown"  # the payload header's int4_verdict when no probe verdict is cached for the model
 
 
 def check_budget(budget: float) -> float:
     budget = float(budget)
-    if not MIN_BUDGET <= budget <= 1.0:
+    if not (MIN_BUDGET <= budget <= 1.0) or math.isnan(budget):
         raise ValueError(f"kv budget must be in [{MIN_BUDGET}, 1.0] (1.0: full precision; 0.5: half the bytes, "
-                         f"INT8 for the less important tokens; {MIN_BUDGET}: INT4 for all), got {budget}")
+                         f"INT8 for the less important tokens; lower: INT4 where the model's probe verdict allows "
+                         f"it, then the least important tokens dropped), got {budget}")
     return budget
 
 
-def ladder_for_budget(budget: float) -> tuple[Tier, ...]:
-    """FULL and INT8 down to 0.5; INT4 as well below it."""
-    return LADDER_2 if budget >= 0.5 else LADDER_3
+def check_importance(importance: str) -> str:
+    if importance not in IMPORTANCE:
+        raise ValueError(f"kv importance must be one of {', '.join(IMPORTANCE)}, got {importance!r}")
+    return importance
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """How the prefill worker packs a prompt's KV: the budget, what ranks the tokens, the tier ladder and the
+    probe verdict the payload header records."""
+
+    budget: float = 1.0
+    importance: str = "attention"  # "attention" | "position"
+    ladder: tuple[Tier, ...] = LADDER_2
+    int4_verdict: str = NO_VERDICT
+
+    @property
+    def wants_attention_importance(self) -> bool:
+        """Whether the prefill must compute attention importance (only a budget below 1 ranks tokens)."""
+        return self.budget < 1.0 and self.importance == "attention"
+
+
+def kv_policy(model_dir: str | Path, budget: float, importance: str = "attention",
+              cache_dir: str | Path | None = None, log=None) -> KVPolicy:
+    """The handoff's policy for the model in model_dir. Below budget 1 the ladder follows the INT4 probe's verdict
+    cached for the model's fingerprint (kv/probe.py; `hybridmoe eval kv-probe` writes it): FULL/INT8/INT4 when it
+    allows INT4, FULL/INT8 when it refuses it or when none is cached (said once through log, default stderr)."""
+    budget, importance = check_budget(budget), check_importance(importance)
+    if budget >= 1.0:  # every token full: no ladder below FULL is used, no verdict needed
+        return KVPolicy(budget, importance)
+    fingerprint = model_fingerprint(model_dir)
+    verdict = VerdictCache(cache_dir).get(fingerprint)
+    if verdict is None:
+        log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+        log(f"kv handoff: no INT4 probe verdict cached for model {fingerprint} ({model_dir}); tiers FULL/INT8, "
+            f"tokens dropped below budget 0.5 (`hybridmoe eval kv-probe --model {model_dir}` caches one)")
+        return KVPolicy(budget, importance, LADDER_2, NO_VERDICT)
+    return KVPolicy(budget, importance, ladder_for(verdict.int4_allowed), verdict.label)
 
 
 def model_identity(model_config) -> str:
@@ -61,26 +111,39 @@ class PackedKV:
     num_tokens: int
     num_bytes: int
     budget: float
+    tier_counts: tuple[int, int, int, int] = (0, 0, 0, 0)  # tokens at FULL, INT8, INT4, dropped
+
+
+def choose_tiers(num_tokens: int, policy: KVPolicy, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 [n] tier codes under policy: all FULL at budget 1; else ranked by importance [n] (the prompt's
+    attention importance; None, or policy.importance "position": position only) over policy.ladder."""
+    if policy.budget >= 1.0:
+        return torch.full((num_tokens,), int(Tier.FULL), dtype=torch.uint8)
+    if policy.importance == "position" or importance is None:
+        importance = position_importance(num_tokens)
+    elif importance.shape[0] != num_tokens:
+        raise ValueError(f"importance of {importance.shape[0]} tokens for a prompt of {num_tokens}")
+    return allocate(importance, policy.budget, policy.ladder)
 
 
 def pack_into_segment(name: str, caches: list[torch.Tensor], layout: KVLayout, slots: torch.Tensor, *,
-                      model: str, budget: float = 1.0) -> PackedKV:
-    """Pack the KV at slots of every layer's cache into a new segment `name` (removed again if packing fails)."""
+                      model: str, budget: float = 1.0, policy: KVPolicy | None = None,
+                      importance: torch.Tensor | None = None) -> PackedKV:
+    """Pack the KV at slots of every layer's cache into a new segment `name` (removed again if packing fails).
+    policy: the budget, ranking and ladder (default: `budget` with position importance over FULL/INT8, the
+    policy without a probe verdict); importance [n]: the prompt's attention importance, for policy.importance
+    "attention"."""
     n = slots.shape[0]
+    policy = policy or KVPolicy(check_budget(budget), "position")
     with single_threaded():
-        return _pack(name, caches, layout, slots, n, model, budget)
+        return _pack(name, caches, layout, slots, model, policy, choose_tiers(n, policy, importance))
 
 
-def _pack(name: str, caches: list[torch.Tensor], layout: KVLayout, slots: torch.Tensor, n: int, model: str,
-          budget: float) -> PackedKV:
-    if budget >= 1.0:
-        tiers = torch.full((n,), int(Tier.FULL), dtype=torch.uint8)
-    else:
-        tiers = allocate(position_importance(n), budget, ladder_for_budget(budget))
-    if (tiers == Tier.DROP).any():  # check_budget keeps the budget where nothing is dropped
-        raise ValueError(f"kv budget {budget} drops tokens")
+def _pack(name: str, caches: list[torch.Tensor], layout: KVLayout, slots: torch.Tensor, model: str,
+          policy: KVPolicy, tiers: torch.Tensor) -> PackedKV:
+    n = tiers.shape[0]
     writer = PayloadWriter(layout, tiers, model=model, full_dtype=DTYPE_NAMES[caches[0].dtype],
-                           ladder=ladder_for_budget(budget), budget=budget)
+                           ladder=policy.ladder, int4_verdict=policy.int4_verdict, budget=policy.budget)
     segment = Segment.create(name, writer.total_bytes)
     try:
         head = writer.head()
@@ -96,7 +159,7 @@ def _pack(name: str, caches: list[torch.Tensor], layout: KVLayout, slots: torch.
         segment.unlink()
         raise
     segment.close()
-    return PackedKV(name, n, writer.total_bytes, budget)
+    return PackedKV(name, n, writer.total_bytes, policy.budget, tuple(writer.header["tier_counts"]))
 
 
 def unpack_from_segment(name: str, caches: list[torch.Tensor], layout: KVLayout, slots: torch.Tensor, *,
@@ -121,6 +184,20 @@ def unpack_from_segment(name: str, caches: list[torch.Tensor], layout: KVLayout,
         del view
         segment.close()
         segment.unlink()
+
+
+def adopted_kv(reader: PayloadReader, cache_dtype: torch.dtype) -> AdoptedKV | None:
+    """What an unpacked payload left in the cache, for `LLMEngine.adopt_request`: None when it is exactly the
+    sender's (every token FULL in the cache's dtype), else its dropped positions and that it is not exact."""
+    dropped = reader.dropped
+    if bool((reader.tiers == Tier.FULL).all()) and reader.full_dtype == cache_dtype:
+        return None
+    return AdoptedKV(dropped=dropped if bool(dropped.any()) else None, exact=False)
+
+
+def tier_summary(counts) -> str:
+    """'fp16 10, int8 20, int4 0, drop 5' of a payload's tier counts."""
+    return ", ".join(f"{TIER_NAMES[Tier(t)]} {c}" for t, c in enumerate(counts))
 
 
 def single_threaded():

@@ -21,6 +21,7 @@ class Init:  # the first message: what the worker is and loads
     prefix: str  # its shared-memory segments' name prefix
     kv_budget: float
     cpus: list[int] | None = None  # the CPUs it runs on (None: all of the front's)
+    kv_importance: str = "attention"  # what ranks the prompt's tokens below budget 1: "attention" | "position"
 
 
 @dataclass

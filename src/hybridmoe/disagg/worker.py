@@ -1,11 +1,14 @@
 """A worker process of prefill/decode disaggregation: one `LLMEngine` driven by messages from the front.
 
 The prefill worker takes new requests (`Add`), prefills them, and after the step that samples a request's first
-token (reported as a normal output) packs the prompt's KV into a shared-memory segment, forgets the request
+token (reported as a normal output) packs the prompt's KV into a shared-memory segment under its `KVPolicy`
+(handoff.py: below budget 1 its engine scores each prompt's attention importance during the prefill, unless
+position importance is asked for, and the ladder follows the model's cached INT4 probe verdict), forgets the request
 (`LLMEngine.detach_request`: its blocks are freed, full ones stay in its prefix cache) and sends a `Handoff`.
 A request that ends with its first token (EOS, max_tokens 1, a stop string) ends here.
 The decode worker adopts each handed-off request (`LLMEngine.adopt_request`, unpacking the payload into its own
-cache), waiting while its KV blocks are full, and decodes it to the end.
+cache; the dropped tokens become the request's mask of dropped keys), waiting while its KV blocks are full, and
+decodes it to the end.
 
 Both run the same loop: wait for messages when idle, apply them between steps, step, send the outputs. A worker
 whose front is gone (its socket closed: the front crashed) removes the front's shared-memory segments and exits.
@@ -48,17 +51,20 @@ def main(argv: list[str] | None = None) -> None:
         return
     if init.cpus is not None:
         pin_to(init.cpus)
-    run_worker(init.role, conn, init.model, init.config, init.prefix, init.kv_budget)
+    run_worker(init.role, conn, init.model, init.config, init.prefix, init.kv_budget, init.kv_importance)
 
 
-def run_worker(role: str, conn, model: str, config: EngineConfig, prefix: str, kv_budget: float) -> None:
+def run_worker(role: str, conn, model: str, config: EngineConfig, prefix: str, kv_budget: float,
+               kv_importance: str = "attention") -> None:
     """A worker's life: load, say Ready, serve messages until Stop or until the front is gone."""
     try:
         engine = LLMEngine(model, config, show_progress=False)
+        # the prefill worker packs: its policy reads the probe's verdict (and says once when there is none)
+        policy = handoff.kv_policy(model, kv_budget, kv_importance) if role == PREFILL else None
     except BaseException as error:  # noqa: BLE001 - reported to the front, which decides
         conn.send(m.LoadFailed(f"{type(error).__name__}: {error}"))
         return
-    worker = _Worker(role, conn, engine, prefix, kv_budget)
+    worker = _Worker(role, conn, engine, prefix, policy)
     parent_gone = False
     try:
         conn.send(m.Ready(os.getpid(), engine.max_model_len, engine.stats()))
@@ -72,9 +78,11 @@ def run_worker(role: str, conn, model: str, config: EngineConfig, prefix: str, k
 
 
 class _Worker:
-    def __init__(self, role: str, conn, engine: LLMEngine, prefix: str, kv_budget: float):
+    def __init__(self, role: str, conn, engine: LLMEngine, prefix: str, policy: handoff.KVPolicy | None):
         self.role, self.conn, self.engine, self.prefix = role, conn, engine, prefix
-        self.kv_budget = kv_budget
+        self.policy = policy  # the prefill worker's handoff policy
+        if policy is not None and policy.wants_attention_importance:
+            engine.set_prompt_importance(True)
         self.identity = handoff.model_identity(engine.model_config)
         self.layout = KVLayout.from_config(engine.model_config)
         self.block_size = engine.config.block_size
@@ -145,8 +153,8 @@ class _Worker:
         try:
             table = engine.scheduler.block_manager.get_block_table(req_id)
             slots = handoff.slots_of(table, n, self.block_size)
-            kv = handoff.pack_into_segment(name, engine.runner.kv_caches, self.layout, slots,
-                                           model=self.identity, budget=self.kv_budget)
+            kv = handoff.pack_into_segment(name, engine.runner.kv_caches, self.layout, slots, model=self.identity,
+                                           policy=self.policy, importance=engine.prompt_importance(req_id))
         except Exception as error:  # e.g. no room in /dev/shm
             engine.detach_request(req_id)
             self.params.pop(req_id, None)
@@ -162,11 +170,12 @@ class _Worker:
             msg = self.pending.popleft()
             slots = None
 
-            def write_kv(table: list[int]) -> None:
+            def write_kv(table: list[int]):
                 nonlocal slots
                 slots = handoff.slots_of(table, len(msg.prompt_ids), self.block_size)
-                handoff.unpack_from_segment(msg.kv.segment, engine.runner.kv_caches, self.layout, slots,
-                                            model=self.identity)
+                reader = handoff.unpack_from_segment(msg.kv.segment, engine.runner.kv_caches, self.layout, slots,
+                                                     model=self.identity)
+                return handoff.adopted_kv(reader, engine.runner.kv_caches[0].dtype)  # dropped keys: masked
 
             state = (torch.frombuffer(bytearray(msg.generator_state), dtype=torch.uint8)
                      if msg.generator_state is not None else None)
