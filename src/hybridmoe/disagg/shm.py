@@ -45,12 +45,15 @@ def sweep(prefix: str) -> int:
 
 
 class Segment:
-    """One mapped segment: `Segment.create(name, size)` or `Segment.attach(name)`; `buf` is its memory."""
+    """One mapped segment: `Segment.create(name, size)` or `Segment.attach(name)`; `buf` is its memory (read-only
+    when mapped with readonly=True)."""
 
-    def __init__(self, name: str, fd: int, size: int):
+    def __init__(self, name: str, fd: int, size: int, readonly: bool = False):
+        """Maps size bytes of the open segment fd (which it closes)."""
         self.name, self.size = name, size
         try:
-            self._map = mmap.mmap(fd, size) if size else None
+            access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
+            self._map = mmap.mmap(fd, size, access=access) if size else None
         finally:
             os.close(fd)
         self.buf = memoryview(self._map) if self._map is not None else memoryview(b"")

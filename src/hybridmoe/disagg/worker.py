@@ -10,6 +10,9 @@ The decode worker adopts each handed-off request (`LLMEngine.adopt_request`, unp
 cache; the dropped tokens become the request's mask of dropped keys), waiting while its KV blocks are full, and
 decodes it to the end.
 
+Both load the model with `SharedWeights` (disagg/shared_weights.py): what the loader makes at load (weights in
+another dtype) is made once, in a shared-memory segment, by the first to load; the other maps it.
+
 Both run the same loop: wait for messages when idle, apply them between steps, step, send the outputs. A worker
 whose front is gone (its socket closed: the front crashed) removes the front's shared-memory segments and exits.
 Workers run in a session of their own and ignore SIGINT: a Ctrl-C in the server's terminal is the front's to
@@ -19,6 +22,7 @@ handle (it stops them in order), not a crash of each worker.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import signal
@@ -28,10 +32,11 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from hybridmoe.disagg import handoff, messages as m
+from hybridmoe.disagg import handoff, messages as m, shared_weights
 from hybridmoe.disagg.cpus import pin_to
 from hybridmoe.disagg.shm import remove, sweep
 from hybridmoe.kv.layout import KVLayout
+from hybridmoe.models.loader import resolve_dtype
 from hybridmoe.runtime.engine import EngineConfig, LLMEngine, RequestOutput
 
 PREFILL, DECODE = "prefill", "decode"
@@ -58,7 +63,8 @@ def run_worker(role: str, conn, model: str, config: EngineConfig, prefix: str, k
                kv_importance: str = "attention") -> None:
     """A worker's life: load, say Ready, serve messages until Stop or until the front is gone."""
     try:
-        engine = LLMEngine(model, config, show_progress=False)
+        with _shared_weights(prefix, model, config) as weights:
+            engine = LLMEngine(model, config, show_progress=False, transformed=weights)
         # the prefill worker packs: its policy reads the probe's verdict (and says once when there is none)
         policy = handoff.kv_policy(model, kv_budget, kv_importance) if role == PREFILL else None
     except BaseException as error:  # noqa: BLE001 - reported to the front, which decides
@@ -75,6 +81,13 @@ def run_worker(role: str, conn, model: str, config: EngineConfig, prefix: str, k
         engine.close()
         if parent_gone:
             sweep(prefix)
+
+
+def _shared_weights(prefix: str, model: str, config: EngineConfig):
+    """The weights the loader makes, in the segment both workers map (none with HYBRIDMOE_PD_SHARED_WEIGHTS=0)."""
+    if not shared_weights.enabled():
+        return contextlib.nullcontext(None)
+    return shared_weights.SharedWeights(prefix, model, resolve_dtype(config.dtype))
 
 
 class _Worker:
