@@ -87,6 +87,7 @@ def test_window_attention_mass_matches_dense_softmax():
     dense = logits.masked_fill(causal, float("-inf")).softmax(-1).sum(1).mean(0)
     torch.testing.assert_close(chunked, dense, rtol=1e-5, atol=1e-6)
     assert abs(float(chunked.sum()) - w) < 1e-3  # each query's mass sums to 1
+    torch.testing.assert_close(window_attention_mass(q, k, 0.2), dense, rtol=1e-5, atol=1e-6)  # one chunk
 
 
 def test_importance_pins_sinks_and_window_and_pools():

@@ -22,15 +22,20 @@ import torch.nn.functional as F
 SINKS = 4
 WINDOW = 32
 POOL = 7
-KEY_CHUNK = 1024
+KEY_CHUNK = 1024  # keys per chunk at least
+CHUNK_BYTES = 16 << 20  # a chunk's float32 logits [N, w, keys] may take this much (more keys when N w is small)
 
 
-def window_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float, key_chunk: int = KEY_CHUNK) -> torch.Tensor:
+def window_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float,
+                          key_chunk: int | None = None) -> torch.Tensor:
     """q [w, N, D] (the queries of the last w context positions), k [C, Nk, D] -> float32 [C] on the host:
     attention mass each key receives, summed over the w causal queries, averaged over the N heads (computed where
-    q and k are)."""
+    q and k are). Keys in chunks of key_chunk (default: KEY_CHUNK, or as many as CHUNK_BYTES of logits hold); a
+    context of one chunk is one softmax, longer ones take two passes (running max and sum, then the mass)."""
     w, heads, dim = q.shape
     ctx, kv_heads = k.shape[0], k.shape[1]
+    if key_chunk is None:
+        key_chunk = max(KEY_CHUNK, CHUNK_BYTES // (4 * w * heads))
     group = heads // kv_heads
     qg = q.float().view(w, kv_heads, group, dim)
     device = q.device
@@ -38,10 +43,15 @@ def window_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float, key_ch
 
     def logits(start: int) -> torch.Tensor:  # [Nk, g, w, c] for keys start .. start + c
         kc = k[start: start + key_chunk].float()
-        out = torch.einsum("wkgd,ckd->kgwc", qg, kc) * scale
-        future = torch.arange(start, start + kc.shape[0], device=device)[None, :] > q_pos  # [w, c]
-        return out.masked_fill_(future, float("-inf"))
+        out = torch.einsum("wkgd,ckd->kgwc", qg, kc).mul_(scale)
+        first = max(0, ctx - w + 1 - start)  # only the last w - 1 keys lie in some query's future
+        if first < kc.shape[0]:
+            future = torch.arange(start + first, start + kc.shape[0], device=device)[None, :] > q_pos  # [w, c']
+            out[..., first:].masked_fill_(future, float("-inf"))
+        return out
 
+    if ctx <= key_chunk:  # one chunk: its logits once, no running max and sum
+        return logits(0).softmax(-1).sum(2).mean((0, 1)).cpu()
     run_max = torch.full((kv_heads, group, w, 1), float("-inf"), device=device)
     run_sum = torch.zeros(kv_heads, group, w, 1, device=device)
     for start in range(0, ctx, key_chunk):
@@ -63,7 +73,7 @@ class AttentionImportance:
     Uses the forward in which the prompt's last token is computed (C == n) and that forward's last
     min(window, Q) queries; attach it for the prefill and call `scores()` afterwards."""
 
-    def __init__(self, num_tokens: int, window: int = WINDOW, seq: int = 0, key_chunk: int = KEY_CHUNK):
+    def __init__(self, num_tokens: int, window: int = WINDOW, seq: int = 0, key_chunk: int | None = None):
         self.num_tokens, self.window, self.seq, self.key_chunk = num_tokens, window, seq, key_chunk
         self.per_layer: dict[int, torch.Tensor] = {}
         self.window_used = 0
