@@ -1,5 +1,5 @@
 """The full SpectrumKV policy in the PD handoff, between two engines in one process (what the workers do, without
-the processes), float32: tokens dropped below the cheapest tier are masked by the decode engine's per-request mask
+the processes; and once through PDEngine's two worker processes), float32: tokens dropped below the cheapest tier are masked by the decode engine's per-request mask
 (positions kept), giving the tokens of a reference decoder fed the same unpacked KV and mask; garbage in the dropped
 slots changes nothing; attention importance (computed by the prefill engine) changes the tier map against position
 only; INT4 only where the cached probe verdict allows it; the mask stays with its request (not with the blocks, not
@@ -322,7 +322,6 @@ def test_preemption_clears_the_mask(model_dir, pre):
     assert list_segments(PREFIX) == []
 
 
-@pytest.mark.slow
 def test_pd_workers_drop_and_mask_like_the_in_process_handoff(model_dir, pre, harness, monkeypatch, tmp_path,
                                                                capfd):
     """`serve --pd --kv-budget 0.2` through the two worker processes: no verdict cached (said once, by the prefill
