@@ -138,3 +138,19 @@ def test_a_failed_load_leaves_it_for_the_next_to_build(tiny_model_dir, prefix):
     with SharedWeights(prefix, model_dir, torch.float32) as again:
         load_model(model_dir, torch.float32, transformed=again)
     assert again.built and again.private == 0
+
+
+def test_what_does_not_fit_stays_private_in_both(tiny_model_dir, prefix):
+    model_dir = tiny_model_dir("qwen3_moe", dtype=torch.bfloat16)
+    big = (1 << 20, 64)  # 256 MB of float32: more than the reservation for this checkpoint (8 bytes an element)
+    ones = lambda out: out.fill_(1)  # noqa: E731
+    with SharedWeights(prefix, model_dir, torch.float32) as first:
+        small = first.get("small", (4, 4), torch.float32, ones)
+        large = first.get("large", big, torch.float32, lambda out: out[:2].fill_(2))
+        after = first.get("after", (4,), torch.float32, ones)  # once full, the rest stays private too
+    assert first.private == 2 and list(first.index) == ["small"]
+    assert where([small]) == {first.name: 64} and where([large, after])["private"] == large.nbytes + 16
+    with SharedWeights(prefix, model_dir, torch.float32) as second:
+        assert torch.equal(second.get("small", (4, 4), torch.float32, None), small)
+        made = second.get("after", (4,), torch.float32, ones)
+    assert second.private == 1 and torch.equal(made, after)

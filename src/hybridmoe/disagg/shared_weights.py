@@ -13,8 +13,9 @@ tensors from byte 4096, each 64-byte aligned, then the index: JSON with the fing
 dtype) and key -> [dtype, shape, offset]. A segment of another fingerprint or an incomplete one (its builder died)
 is rebuilt, never used. Opening takes an exclusive flock of the segment, held by a builder until it is complete:
 the second worker waits for the first instead of building too. The builder reserves the most the weights can take
-(a sparse file: 4 bytes per element of every checkpoint tensor) and trims it when done; each tensor's pages are
-allocated before they are written (no space left in /dev/shm: that tensor stays private, with a warning).
+(a sparse file: 8 bytes per element of every checkpoint tensor, its float32 copy and one derived from it) and trims
+it when done; each tensor's pages are allocated before they are written (no room: that tensor and the rest stay
+private, with a warning).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from hybridmoe.checkpoint.safetensors_reader import CheckpointReader
 from hybridmoe.disagg.shm import Segment, shm_dir
+from hybridmoe.models.transformed_weights import PrivateWeights
 
 VERSION = 1
 MAGIC = b"HMWEIGHT"
@@ -91,7 +93,8 @@ class SharedWeights:
                 _unlock(fd)
                 return self
             # build: a sparse file as large as the weights could be (never touched beyond what is written)
-            capacity = DATA_START + sum(4 * e.nbytes + ALIGN for e in CheckpointReader(self.model_dir).entries.values())
+            entries = CheckpointReader(self.model_dir).entries.values()
+            capacity = DATA_START + sum(8 * e.nbytes + 2 * ALIGN for e in entries)
             os.ftruncate(fd, 0)
             os.ftruncate(fd, capacity)
             self._segment = Segment(self.name, os.dup(fd), capacity)
@@ -116,38 +119,39 @@ class SharedWeights:
         return index if index.get("fingerprint") == self.fingerprint else None
 
     def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype,
-            make: Callable[[], torch.Tensor]) -> torch.Tensor:
+            fill: Callable[[torch.Tensor], object]) -> torch.Tensor:
         if self.built:
-            return self._put(key, make())
+            return self._put(key, shape, dtype, fill)
         entry = self.index.get(key)
         if entry is None:  # the builder had no room for it
             self.private += 1
-            return make()
+            return PrivateWeights().get(key, shape, dtype, fill)
         if entry[0] != str(dtype) or tuple(entry[1]) != tuple(shape):
             raise ValueError(f"shared weights segment {self.name}: {key} is {entry[0]} {entry[1]}, the loader "
                              f"expects {dtype} {list(shape)}")
         return self._view(entry[2], dtype, shape)
 
-    def _put(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """tensor copied into the segment (a view of it returned), or tensor itself when there is no room."""
-        nbytes = tensor.numel() * tensor.element_size()
+    def _put(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, fill) -> torch.Tensor:
+        """The weight filled into the segment (a view of it), or into private memory when there is no room."""
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         offset = _align(self._end)
         if nbytes == 0 or self._full:
             self.private += nbytes > 0
-            return tensor
+            return PrivateWeights().get(key, shape, dtype, fill)
         try:
+            if offset + nbytes > self._segment.size:
+                raise OSError(errno.EFBIG, "more than the reservation")
             os.posix_fallocate(self._fd, offset, nbytes)  # no room: an error here, not SIGBUS on writing
         except OSError as error:
             if error.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise
             self._full = True
-            self.private += 1
             print(f"hybridmoe: no room in {shm_dir()} for shared weights ({error}); the rest stay per worker",
                   file=sys.stderr)
-            return tensor
-        view = self._view(offset, tensor.dtype, tuple(tensor.shape))
-        view.copy_(tensor)
-        self.index[key] = [str(tensor.dtype), list(tensor.shape), offset]
+            return self._put(key, shape, dtype, fill)
+        view = self._view(offset, dtype, shape)
+        fill(view)
+        self.index[key] = [str(dtype), list(shape), offset]
         self._end = offset + nbytes
         return view
 

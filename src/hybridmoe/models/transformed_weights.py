@@ -3,8 +3,9 @@
 `WeightLoader` hands out zero-copy views of the checkpoint where the stored dtype is the one computed in; what it
 has to make instead goes through a `TransformedWeights`: a non-expert float weight converted to the compute
 dtype (a bf16 checkpoint computed in float32), an FP8 one dequantised, a router's weight or bias in float32.
-`get(key, shape, dtype, make)` returns the tensor for `key`: by default `make()`, this process's own copy;
-`disagg.shared_weights` returns a view of a shared-memory segment instead, made once for several processes.
+`get(key, shape, dtype, fill)` returns the tensor for `key`, which `fill(out)` writes into an empty one: by
+default in this process's memory; `disagg.shared_weights` fills a view of a shared-memory segment instead, once for
+several processes (written in place: a temporary copy freed after load would stay in the allocator's heap).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import torch
 
 class TransformedWeights(Protocol):
     def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype,
-            make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The weight `key` ([shape] of dtype), which `make()` computes; read-only for the caller."""
+            fill: Callable[[torch.Tensor], object]) -> torch.Tensor:
+        """The weight `key`, [shape] of dtype, as `fill(out)` computes it into out; read-only for the caller."""
         ...
 
 
@@ -26,5 +27,7 @@ class PrivateWeights:
     """Every transformed weight in this process's own memory (what a single engine does)."""
 
     def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype,
-            make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        return make()
+            fill: Callable[[torch.Tensor], object]) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype)
+        fill(out)
+        return out

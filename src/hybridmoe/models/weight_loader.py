@@ -43,9 +43,11 @@ class WeightLoader:
         self.used.add(name)
         if tensor.dtype in FP8_DTYPES:
             scale = self._scale(name, shape)
-            return self._made(name, shape, self.dtype, lambda: dequantize_fp8(tensor, scale, self.block, self.dtype))
-        return tensor if tensor.dtype == self.dtype else self._made(name, shape, self.dtype,
-                                                                    lambda: tensor.to(self.dtype))
+            return self._made(name, shape, self.dtype,
+                              lambda out: out.copy_(dequantize_fp8(tensor, scale, self.block, self.dtype)))
+        if tensor.dtype == self.dtype:
+            return tensor
+        return self._made(name, shape, self.dtype, lambda out: out.copy_(tensor))
 
     def linear(self, name: str, shape: tuple[int, int], bias: str | None = None) -> Linear:
         """A projection weight [N, K] for the kernels, kept in its stored format: FP8 with its block scales,
@@ -68,11 +70,17 @@ class WeightLoader:
         """Router weights and biases: kept in float32 as the reference routers compute in float32."""
         tensor = self.reader.get_checked(name, shape, FLOAT_DTYPES)
         self.used.add(name)
-        return tensor if tensor.dtype == torch.float32 else self._made(name, shape, torch.float32, tensor.float)
+        return tensor if tensor.dtype == torch.float32 else self._made(name, shape, torch.float32,
+                                                                       lambda out: out.copy_(tensor))
 
-    def _made(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, make) -> torch.Tensor:
-        """Checkpoint tensor `name` made into [shape] of dtype by make(), kept where `transformed` keeps it."""
-        return self.transformed.get(f"{name}:{str(dtype).removeprefix('torch.')}", tuple(shape), dtype, make)
+    def derived(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, fill) -> torch.Tensor:
+        """A tensor the model makes at load from its weights (a re-laid-out copy), [shape] of dtype as fill(out)
+        writes it, kept where the loader's own are (once for `serve --pd`'s workers); key: a name unique to it."""
+        return self.transformed.get(key, tuple(shape), dtype, fill)
+
+    def _made(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, fill) -> torch.Tensor:
+        """Checkpoint tensor `name` made into [shape] of dtype by fill(out), where `transformed` keeps it."""
+        return self.derived(f"{name}:{str(dtype).removeprefix('torch.')}", shape, dtype, fill)
 
     def experts(self, names: Iterable[tuple[str, str, str]], inter: int, hidden: int) -> ExpertWeights:
         """Routed experts from (gate, up, down) weight names per expert.
