@@ -1,5 +1,6 @@
 """`hybridmoe serve --pd` killed outright (SIGKILL: no shutdown runs): its workers notice their socket closing,
-remove the shared-memory segments under the server's prefix and exit."""
+remove the shared-memory segments under the server's prefix (a KV payload on its way, the weights they share: a
+bf16 checkpoint computed in float32) and exit."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from hybridmoe.disagg.shm import list_segments, owner_prefix, shm_dir
 
@@ -37,11 +39,12 @@ def _gone(pid: int) -> bool:
 
 
 def test_workers_clean_up_and_exit_when_the_server_is_killed(tiny_model_dir):
+    model_dir = str(tiny_model_dir("qwen3_moe", dtype=torch.bfloat16))
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "hybridmoe.cli", "serve", "--pd", "--model",
-                               str(tiny_model_dir("qwen3_moe")), "--dtype", "float32", "--kv-cache-gb", "0.05",
+                               model_dir, "--dtype", "float32", "--kv-cache-gb", "0.05",
                                "--port", str(port), "--log-level", "warning"])
     try:
         deadline = time.monotonic() + HANG_S
@@ -55,13 +58,15 @@ def test_workers_clean_up_and_exit_when_the_server_is_killed(tiny_model_dir):
                 pass
             time.sleep(0.2)
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                           json={"model": str(tiny_model_dir("qwen3_moe")), "prompt": [5, 6, 7], "max_tokens": 4})
+                           json={"model": model_dir, "prompt": [5, 6, 7], "max_tokens": 4})
         assert reply.status_code == 200, reply.text
         workers = _children(server.pid)
         assert len(workers) == 2
         # a payload on its way when the server dies (written here, named as the server's workers name theirs)
         left = shm_dir() / f"{owner_prefix(server.pid)}{workers[0]}-99"
         left.write_bytes(b"\0" * 4096)
+        assert any(p.name.startswith(owner_prefix(server.pid) + "weights-")
+                   for p in list_segments(owner_prefix(server.pid)))
         os.kill(server.pid, signal.SIGKILL)
         server.wait(HANG_S)
         deadline = time.monotonic() + HANG_S

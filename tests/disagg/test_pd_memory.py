@@ -2,6 +2,9 @@
 weights once. Measured from /proc/<pid>/smaps: each worker's mapping of model.safetensors (resident pages, and
 their proportional share: a page mapped by both workers counts half in each). A worker holding its own copy
 would show no shared pages and each worker's PSS equal to its RSS, their sum twice the weights.
+What the loader makes at load (a bf16 checkpoint computed in float32) is in one shared-memory segment that both
+workers map (disagg/shared_weights.py): measured the same way, against workers that each make their own
+(HYBRIDMOE_PD_SHARED_WEIGHTS=0); a restarted worker maps the segment again, shutdown removes it.
 Also greedy tokens through the two worker processes, each pinned to a CPU, equal the single-process engine's
 (Mixtral, GQA), and a killed prefill worker is restarted (pinned again), a request sent meanwhile waiting for it."""
 
@@ -13,9 +16,11 @@ import signal
 import time
 
 import pytest
+import torch
 
 from hybridmoe import LLM, SamplingParams
 from hybridmoe.disagg.engine import PDEngine
+from hybridmoe.disagg.shm import list_segments, shm_dir
 from hybridmoe.runtime.engine import EngineConfig
 
 pytestmark = pytest.mark.slow
@@ -45,11 +50,20 @@ async def _run(engine: PDEngine, prompts, params):
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
+def rollup_kb(pid: int) -> dict[str, int]:
+    """pid's /proc/<pid>/smaps_rollup (kB): Rss, Pss, Private_Clean, ..."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return {line.split()[0][:-1]: int(line.split()[1]) for line in f if line.rstrip().endswith("kB")}
+
+
 def private_kb(pid: int) -> int:
     """Memory only pid holds (kB): Private_Clean + Private_Dirty of /proc/<pid>/smaps_rollup."""
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        fields = {line.split()[0][:-1]: int(line.split()[1]) for line in f if line.rstrip().endswith("kB")}
+    fields = rollup_kb(pid)
     return fields["Private_Clean"] + fields["Private_Dirty"]
+
+
+def weights_segments(prefix: str) -> list:
+    return [path for path in list_segments(prefix) if path.name.startswith(prefix + "weights-")]
 
 
 def serve_and_measure(model_dir) -> dict[str, tuple[dict[str, int], int]]:
@@ -120,3 +134,87 @@ def test_pd_workers_give_the_single_engine_greedy_tokens_mixtral(tiny_model_dir)
         assert os.sched_getaffinity(engine.worker_pids()["prefill"]) == {cpus[0]}
     finally:
         engine.shutdown()
+
+
+def _transformed_memory(model_dir, shared: bool, monkeypatch) -> tuple[int, dict[str, dict[str, int]]]:
+    """Serve a few requests through PDEngine (float32 from a bf16 checkpoint); -> (the shared segment's kB, 0
+    without it; per worker role: its Pss and private kB, and its mapping of the segment's kB)."""
+    monkeypatch.setenv("HYBRIDMOE_PD_SHARED_WEIGHTS", "1" if shared else "0")  # the workers inherit it
+    engine = PDEngine(model_dir, EngineConfig(dtype="float32", kv_cache_gb=0.05))
+    engine.start()
+    try:
+        engine.wait_ready_sync(HANG_S)
+        prompts = [[(i * 37 + j * 11) % 300 + 1 for j in range(48)] for i in range(4)]
+        asyncio.run(_run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)))
+        segments = weights_segments(engine.prefix)
+        assert len(segments) == shared
+        segment_kb = segments[0].stat().st_size // 1024 if shared else 0
+        measured = {}
+        for role, pid in engine.worker_pids().items():
+            rollup = rollup_kb(pid)
+            mapped = mapping_kb(pid, segments[0].name) if shared else {}
+            checkpoint = mapping_kb(pid, "model.safetensors")
+            measured[role] = {"pss": rollup["Pss"], "private": rollup["Private_Clean"] + rollup["Private_Dirty"],
+                              "segment_rss": mapped.get("Rss", 0), "segment_pss": mapped.get("Pss", 0),
+                              "segment_private": mapped.get("Private_Clean", 0) + mapped.get("Private_Dirty", 0),
+                              "checkpoint_private": checkpoint["Private_Clean"] + checkpoint["Private_Dirty"]}
+        return segment_kb, measured
+    finally:
+        engine.shutdown()
+
+
+def test_transformed_weights_are_held_once(tiny_model_dir, monkeypatch):
+    # a bf16 checkpoint computed in float32: every dense weight is converted at load, ~75 MB of float32
+    # (embedding and LM head 4096 x 1024, 4 layers of attention 2.5 M each); the experts stay bf16 views
+    model_dir = tiny_model_dir("qwen3_moe", dtype=torch.bfloat16, vocab_size=4096, hidden_size=1024,
+                               num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                               moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+    segment_kb, shared = _transformed_memory(model_dir, True, monkeypatch)
+    _, separate = _transformed_memory(model_dir, False, monkeypatch)
+    print(f"\nsegment {segment_kb} kB; with it: {shared}; each worker its own: {separate}")
+    assert segment_kb > 60_000
+    # both workers compute from the segment's pages (the decode worker reads nearly all but embedding rows) ...
+    for role in ("prefill", "decode"):
+        assert shared[role]["segment_rss"] > 0.5 * segment_kb, role
+    # ... which the machine counts once
+    assert shared["prefill"]["segment_pss"] + shared["decode"]["segment_pss"] <= 1.02 * segment_kb
+    # against workers that make their own: each holds the weights privately, and the two together twice. (Private
+    # memory here leaves out mapped files: the checkpoint's bf16 pages that only the builder reads, to convert them,
+    # and the segment's that one worker alone has touched, count as its private pages, but are not copies.)
+    for role in ("prefill", "decode"):
+        ours = shared[role]["private"] - shared[role]["segment_private"] - shared[role]["checkpoint_private"]
+        own = separate[role]["private"] - separate[role]["checkpoint_private"]
+        assert own - ours > 0.75 * segment_kb, role
+    saved = sum(w["pss"] for w in separate.values()) - sum(w["pss"] for w in shared.values())
+    assert saved > 0.75 * segment_kb
+
+
+def test_restarted_worker_maps_the_shared_weights_again(tiny_model_dir):
+    model_dir = tiny_model_dir("qwen3_moe", dtype=torch.bfloat16)  # computed in float32: converted at load
+    prompts = [[5, 17, 33, 8, 90, 12, 61, 7, 200, 31, 4, 77], [44, 3, 81], [9] * 30]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    expected = [r.token_ids for r in LLM(model_dir, dtype="float32").generate(prompts, params)]
+    engine = PDEngine(model_dir, EngineConfig(dtype="float32", kv_cache_gb=0.05))
+    engine.start()
+    try:
+        engine.wait_ready_sync(HANG_S)
+        assert asyncio.run(_run(engine, prompts, params)) == expected
+        [segment] = weights_segments(engine.prefix)
+        built = segment.stat()
+        for pid in engine.worker_pids().values():  # both compute from it
+            assert mapping_kb(pid, segment.name)["Rss"] > 0
+        dead = engine.worker_pids()["decode"]
+        os.kill(dead, signal.SIGKILL)
+        deadline = time.monotonic() + HANG_S
+        while engine.worker_pids()["decode"] in (None, dead):
+            assert time.monotonic() < deadline, "the decode worker was not restarted"
+            time.sleep(0.02)
+        assert asyncio.run(_run(engine, prompts, params)) == expected
+        # the same segment, not written again (a rebuild would truncate and rewrite it), mapped by the new worker
+        assert weights_segments(engine.prefix) == [segment]
+        after = segment.stat()
+        assert (after.st_ino, after.st_mtime_ns, after.st_size) == (built.st_ino, built.st_mtime_ns, built.st_size)
+        assert mapping_kb(engine.worker_pids()["decode"], segment.name)["Rss"] > 0
+    finally:
+        engine.shutdown()
+    assert not (shm_dir() / segment.name).exists()
