@@ -129,12 +129,13 @@ def test_a_segment_of_another_model_or_dtype_is_not_used(tiny_model_dir, prefix)
     assert not mapped.built
 
 
-def test_a_failed_load_leaves_it_for_the_next_to_build(tiny_model_dir, prefix):
+def test_a_failed_load_removes_it_and_the_next_builds_it(tiny_model_dir, prefix):
     model_dir = tiny_model_dir("qwen3_moe", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="boom"):
         with SharedWeights(prefix, model_dir, torch.float32) as weights:
             load_model(model_dir, torch.float32, transformed=weights)
             raise RuntimeError("boom")
+    assert list_segments(prefix) == []
     with SharedWeights(prefix, model_dir, torch.float32) as again:
         load_model(model_dir, torch.float32, transformed=again)
     assert again.built and again.private == 0

@@ -11,11 +11,11 @@ as from the checkpoint's) without making them again. The segment is removed with
 Layout: a header (magic, version, then the index's offset and length, both 0 until the segment is complete), the
 tensors from byte 4096, each 64-byte aligned, then the index: JSON with the fingerprint (model files, compute
 dtype) and key -> [dtype, shape, offset]. A segment of another fingerprint or an incomplete one (its builder died)
-is rebuilt, never used. Opening takes an exclusive flock of the segment, held by a builder until it is complete:
-the second worker waits for the first instead of building too. The builder reserves the most the weights can take
-(a sparse file: 8 bytes per element of every checkpoint tensor, its float32 copy and one derived from it) and trims
-it when done; each tensor's pages are allocated before they are written (no room: that tensor and the rest stay
-private, with a warning).
+is rebuilt, never used; one whose load failed is removed. Opening takes an exclusive flock of the segment, held by
+a builder until it is complete: the second worker waits for the first instead of building too. The builder
+reserves the most the weights can take (a sparse file: 8 bytes per element of every checkpoint tensor, its float32
+copy and one derived from it) and trims it when done; each tensor's pages are allocated before they are written
+(no room: that tensor and the rest stay private, with a warning).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from hybridmoe.checkpoint.safetensors_reader import CheckpointReader
-from hybridmoe.disagg.shm import Segment, shm_dir
+from hybridmoe.disagg.shm import Segment, remove, shm_dir
 from hybridmoe.models.transformed_weights import PrivateWeights
 
 VERSION = 1
@@ -69,7 +69,7 @@ class SharedWeights:
     """`with SharedWeights(prefix, model_dir, dtype) as weights: LLMEngine(..., transformed=weights)`.
 
     Entering maps the complete segment (`built` False) or locks it for building (`built` True); leaving after a
-    load completes the segment and unlocks it (after a failed load it stays incomplete: the next worker rebuilds).
+    load completes the segment and unlocks it (after a failed load, removes it: nobody maps an incomplete one).
     `private`: how many transformed weights this process holds in its own memory (none where there was room)."""
 
     def __init__(self, prefix: str, model_dir: str | Path, dtype: torch.dtype):
@@ -175,7 +175,8 @@ class SharedWeights:
                 os.ftruncate(fd, offset + len(index))  # the reservation trimmed to what was written
                 os.pwrite(fd, index, offset)
                 os.pwrite(fd, HEADER.pack(MAGIC, VERSION, offset, len(index)), 0)  # complete from here on
-            # else the load failed: left incomplete, the next worker builds it again
+            else:  # the load failed: removed (a worker waiting for it builds its own, the next a new one)
+                remove(self.name)
         finally:
             _unlock(fd)
 

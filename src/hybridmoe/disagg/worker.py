@@ -68,7 +68,10 @@ def run_worker(role: str, conn, model: str, config: EngineConfig, prefix: str, k
         # the prefill worker packs: its policy reads the probe's verdict (and says once when there is none)
         policy = handoff.kv_policy(model, kv_budget, kv_importance) if role == PREFILL else None
     except BaseException as error:  # noqa: BLE001 - reported to the front, which decides
-        conn.send(m.LoadFailed(f"{type(error).__name__}: {error}"))
+        try:
+            conn.send(m.LoadFailed(f"{type(error).__name__}: {error}"))
+        except OSError:  # the front died meanwhile: clean up after it
+            sweep(prefix)
         return
     worker = _Worker(role, conn, engine, prefix, policy)
     parent_gone = False
