@@ -9,6 +9,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -351,6 +352,85 @@ void matmul(const PyMatrix& w, nb::object x_obj, nb::object out_obj, const std::
   run_sync([=] { run_matmul(m, xp, x_bf16, M, ldx, yp, y_bf16, p, *kt, global_pool()); });
 }
 
+// One weight matrix per head, all of one format and shape [M, K] (run_matmul_heads), holding their arrays.
+struct PyHeads {
+  std::vector<PyMatrix> owners;
+  std::vector<Matrix> m;
+
+  explicit PyHeads(nb::list matrices) {
+    const size_t n = nb::len(matrices);
+    if (n == 0) fail("matrices", "need at least one head's matrix");
+    for (size_t i = 0; i < n; ++i) {
+      if (!nb::isinstance<PyMatrix>(matrices[i])) fail("matrices[" + std::to_string(i) + "]", "must be a Matrix");
+      owners.push_back(nb::cast<PyMatrix>(matrices[i]));
+      const Matrix& a = owners.back().m;
+      const Matrix& first = owners.front().m;
+      if (a.fmt != first.fmt || a.group != first.group)
+        fail("matrices[" + std::to_string(i) + "]", "format differs from matrices[0]'s (every head needs the same)");
+      if (a.rows != first.rows || a.cols != first.cols)
+        fail("matrices[" + std::to_string(i) + "]", "shape [" + std::to_string(a.rows) + ", " + std::to_string(a.cols) +
+                                                        "] differs from matrices[0]'s [" + std::to_string(first.rows) +
+                                                        ", " + std::to_string(first.cols) + "]");
+      m.push_back(a);
+    }
+  }
+  int64_t heads() const { return static_cast<int64_t>(m.size()); }
+};
+
+// A CPU array [T, N, D] of one of `dtypes`, D contiguous, and its strides over (T, N) in elements (0 where that
+// dim has one entry).
+template <class A>
+std::pair<int64_t, int64_t> check_heads_array(const std::string& what, const A& a, std::initializer_list<DT> dtypes,
+                                              int64_t tokens, int64_t heads, int64_t dim) {
+  if (a.device_type() != nb::device::cpu::value) fail(what, "must be on the CPU");
+  bool ok = false;
+  std::string names;
+  for (DT d : dtypes) {
+    ok |= a.dtype() == d;
+    names += (names.empty() ? "" : " or ") + dtype_name(d);
+  }
+  if (!ok) fail(what, "dtype must be " + names + ", got " + dtype_name(a.dtype()));
+  if (a.ndim() != 3) fail(what, "must be 3-D [tokens, heads, features], got shape " + shape_str(a));
+  if ((tokens >= 0 && static_cast<int64_t>(a.shape(0)) != tokens) || static_cast<int64_t>(a.shape(1)) != heads ||
+      static_cast<int64_t>(a.shape(2)) != dim)
+    fail(what, "expected shape [" + (tokens >= 0 ? std::to_string(tokens) : std::string("T")) + ", " +
+                   std::to_string(heads) + ", " + std::to_string(dim) + "], got " + shape_str(a));
+  if (a.shape(2) > 1 && a.stride(2) != 1) fail(what, "rows must be contiguous (stride 1 along the last dim)");
+  const int64_t st = a.shape(0) > 1 ? a.stride(0) : 0, sh = a.shape(1) > 1 ? a.stride(1) : 0;
+  if (st < 0 || sh < 0) fail(what, "negative strides are not supported");
+  return {st, sh};
+}
+
+// out[t, n] = x[t, n] @ W_n^T for every head n (x [T, N, K], out [T, N, M]; both strided over tokens and heads).
+void matmul_heads(const PyHeads& w, nb::object x_obj, nb::object out_obj, const std::string& path) {
+  const Array x = nb::cast<Array>(x_obj, false);
+  const MutArray out = nb::cast<MutArray>(out_obj, false);
+  const int64_t N = w.heads(), M = w.m[0].rows, K = w.m[0].cols;
+  const std::pair<int64_t, int64_t> xs = check_heads_array("x", x, {kF32, kBF16}, -1, N, K);
+  const int64_t T = x.shape(0);
+  const std::pair<int64_t, int64_t> ys = check_heads_array("out", out, {kF32, kBF16}, T, N, M);
+  const int64_t xst = xs.first, xsh = xs.second, yst = ys.first, ysh = ys.second;
+  {  // out's rows [M] must not overlap: the smaller stride spans at least a row, the larger all of the smaller's
+    std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, entries) of the dims with more than one entry
+    if (T > 1) dims.emplace_back(yst, T);
+    if (N > 1) dims.emplace_back(ysh, N);
+    std::sort(dims.begin(), dims.end());
+    if ((!dims.empty() && dims[0].first < M) || (dims.size() == 2 && dims[1].first < dims[0].first * dims[0].second))
+      fail("out", "rows overlap (strides " + std::to_string(out.stride(0)) + ", " + std::to_string(out.stride(1)) +
+                      " over shape " + shape_str(out) + ")");
+  }
+  const MatmulPath p = parse_path(path);
+  if (T == 0) return;
+  const KernelTable* kt = active_kernels();
+  const void* xp = x.data();
+  void* yp = out.data();
+  const bool x_bf16 = x.dtype() == kBF16, y_bf16 = out.dtype() == kBF16;
+  const Matrix* mats = w.m.data();
+  run_sync([=] {
+    run_matmul_heads(mats, N, xp, x_bf16, T, xst, xsh, yp, y_bf16, yst, ysh, p, *kt, global_pool());
+  });
+}
+
 AttnType attn_type(const std::string& what, DT d) {
   if (d == kF32) return AttnType::F32;
   if (d == kBF16) return AttnType::BF16;
@@ -530,6 +610,15 @@ NB_MODULE(_native, mod) {
           "Paged decode attention (one query per sequence, blocking): out[s, h] = softmax(q[s, h] . K^T * scale) V "
           "over sequence s's first seq_lens[s] keys, read through block_tables[s] from k_cache / v_cache [num_blocks, "
           "block_size, Nk, D / Dv]; query head h reads KV head h // (N / Nk); window > 0: only the last `window` keys.");
+  nb::class_<PyHeads>(mod, "MatrixHeads", "One weight matrix [M, K] per head, all of one format and shape")
+      .def(nb::init<nb::list>(), "matrices"_a)
+      .def_prop_ro("heads", &PyHeads::heads)
+      .def_prop_ro("rows", [](const PyHeads& h) { return h.m[0].rows; })
+      .def_prop_ro("cols", [](const PyHeads& h) { return h.m[0].cols; });
+  mod.def("matmul_heads", &matmul_heads, "heads"_a, "x"_a, "out"_a, "path"_a = "auto",
+          "out[t, n] = x[t, n] @ W_n^T for every head n (blocking): x [T, N, K] and out [T, N, M] float32 or bfloat16 "
+          "(out rounded to nearest even), strided over tokens and heads with contiguous rows; one pool dispatch over "
+          "(heads, row block) tasks.");
   mod.def("matmul", &matmul, "w"_a, "x"_a, "out"_a, "path"_a = "auto", "out[M, N] = x[M, K] @ W^T (blocking); x and out float32 or bfloat16 (out rounded to nearest even).");
   mod.def("quantize_rows", [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x, int64_t padded,
                               int group) {

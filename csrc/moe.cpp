@@ -307,6 +307,31 @@ I64 matmul_task_rows(I64 rows, int threads, I64 row_bytes) {
   return std::min(rows, std::max(least, balanced));
 }
 
+namespace {
+
+// dst[i] = src[i] rounded to bf16, nearest even as torch does (branch-free, so that it vectorises; NaN stays NaN).
+inline void round_to_bf16(const float* src, uint16_t* dst, I64 n) {
+  for (I64 i = 0; i < n; ++i) {
+    const uint32_t u = float_to_bits(src[i]);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    dst[i] = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : rounded);
+  }
+}
+
+// Activation row r of `acts` from src [k] (fp32 or bf16 bits), quantised where the format wants it.
+inline void load_act_row(ActBuffer& acts, I64 r, const void* src, bool bf16, const KernelTable& kt) {
+  float* row = acts.row(r);
+  if (bf16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (I64 k = 0; k < acts.k; ++k) row[k] = bits_to_float(static_cast<uint32_t>(s[k]) << 16);
+  } else {
+    std::memcpy(row, src, static_cast<size_t>(acts.k) * sizeof(float));
+  }
+  acts.quantize(r, kt);
+}
+
+}  // namespace
+
 void run_matmul(const Matrix& w, const void* x, bool x_bf16, I64 m, I64 ldx, void* y, bool y_bf16, MatmulPath path,
                 const KernelTable& kt, ThreadPool& pool) {
   thread_local ActBuffer acts;  // reused: a decode step calls this for every projection
@@ -330,13 +355,62 @@ void run_matmul(const Matrix& w, const void* x, bool x_bf16, I64 m, I64 ldx, voi
   pool.parallel_for(ceil_div(w.rows, blk), [&](I64 task, int) {
     const I64 r0 = task * blk, r1 = std::min(w.rows, r0 + blk);
     kt.matmul(w, r0, r1, view, yf + r0, w.rows, path);  // rows [r0, r1) straight into y's columns
-    if (y_bf16)  // round to nearest even as torch does (branch-free, so that it vectorises; NaN stays NaN)
+    if (y_bf16)
+      for (I64 t = 0; t < m; ++t) round_to_bf16(yf + t * w.rows + r0, yb + t * w.rows + r0, r1 - r0);
+  });
+}
+
+HeadTasks matmul_heads_tasks(I64 heads, I64 rows, int threads, I64 row_bytes) {
+  // as matmul_task_rows, over the rows of every head: at least kMatmulTaskBytes of weights a task, about four
+  // tasks a thread
+  const I64 least = std::max<I64>(1, ceil_div(kMatmulTaskBytes, std::max<I64>(1, row_bytes)));
+  const I64 balanced = round_up(ceil_div(heads * rows, 4 * static_cast<I64>(threads)), 8);
+  const I64 want = std::max(least, balanced);
+  HeadTasks t;
+  if (want >= rows) {  // whole heads: a head's activations are prepared once
+    t.heads_per_task = std::min(heads, want / rows);
+    t.block_rows = rows;
+    t.count = ceil_div(heads, t.heads_per_task);
+  } else {  // each head cut into equal blocks of whole 8-row panels
+    t.block_rows = std::min(rows, round_up(ceil_div(rows, ceil_div(rows, want)), 8));
+    t.blocks_per_head = ceil_div(rows, t.block_rows);
+    t.count = heads * t.blocks_per_head;
+  }
+  return t;
+}
+
+void run_matmul_heads(const Matrix* w, I64 heads, const void* x, bool x_bf16, I64 m, I64 x_stride_token,
+                      I64 x_stride_head, void* y, bool y_bf16, I64 y_stride_token, I64 y_stride_head, MatmulPath path,
+                      const KernelTable& kt, ThreadPool& pool) {
+  if (heads <= 0 || m <= 0) return;
+  const I64 M = w[0].rows, x_elem = x_bf16 ? 2 : 4, y_elem = y_bf16 ? 2 : 4;
+  const HeadTasks split = matmul_heads_tasks(heads, M, pool.size(), w[0].row_bytes);
+  pool.parallel_for(split.count, [&](I64 task, int) {
+    thread_local ActBuffer acts;            // this thread's heads' activations, reused across calls
+    thread_local std::vector<float> y_f32;  // bf16 output: the block's float rows before rounding
+    I64 n0 = task * split.heads_per_task, n1 = std::min(heads, n0 + split.heads_per_task), r0 = 0, r1 = M;
+    if (split.blocks_per_head > 1) {
+      n0 = task / split.blocks_per_head;
+      n1 = n0 + 1;
+      r0 = (task % split.blocks_per_head) * split.block_rows;
+      r1 = std::min(M, r0 + split.block_rows);
+    }
+    acts.init(m, w[n0]);
+    if (y_bf16 && y_f32.size() < static_cast<size_t>(m * (r1 - r0))) y_f32.resize(static_cast<size_t>(m * (r1 - r0)));
+    const Activations view = acts.view(m, nullptr, 0);
+    for (I64 n = n0; n < n1; ++n) {
       for (I64 t = 0; t < m; ++t)
-        for (I64 n = r0; n < r1; ++n) {
-          const uint32_t u = float_to_bits(yf[t * w.rows + n]);
-          const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-          yb[t * w.rows + n] = static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : rounded);
-        }
+        load_act_row(acts, t, static_cast<const char*>(x) + (t * x_stride_token + n * x_stride_head) * x_elem, x_bf16,
+                     kt);
+      char* yn = static_cast<char*>(y) + (n * y_stride_head + r0) * y_elem;
+      if (!y_bf16) {  // straight into y: token t's rows [r0, r1) at yn + t * y_stride_token
+        kt.matmul(w[n], r0, r1, view, reinterpret_cast<float*>(yn), m > 1 ? y_stride_token : M, path);
+        continue;
+      }
+      kt.matmul(w[n], r0, r1, view, y_f32.data(), r1 - r0, path);
+      for (I64 t = 0; t < m; ++t)
+        round_to_bf16(y_f32.data() + t * (r1 - r0), reinterpret_cast<uint16_t*>(yn) + t * y_stride_token, r1 - r0);
+    }
   });
 }
 

@@ -74,6 +74,23 @@ std::vector<WorkBufferInfo> work_buffers();
 void run_matmul(const Matrix& w, const void* x, bool x_bf16, int64_t m, int64_t ldx, void* y, bool y_bf16,
                 MatmulPath path, const KernelTable& kt, ThreadPool& pool);
 
+// Per-head ("batched") matmuls, one weight matrix per head (MLA's absorbed kv_b_proj): for every head n < heads and
+// token t < m, y[t, n, :] [M] = x[t, n, :] [K] @ W_n^T, W_n = w[n] [M, K]. The heads share one format and shape.
+// x and y are strided over (token, head), in elements (rows contiguous; any layout whose rows do not overlap, e.g.
+// a view of q's no-rope half, or [N, T, M] seen as [T, N, M]); fp32, or bf16 where x_bf16 / y_bf16 (y rounded to
+// nearest even). One parallel_for on `pool` over (heads, row block) tasks sized like run_matmul's (whole heads per
+// task while a head is smaller than that), each task preparing its heads' activations in its thread's buffer.
+void run_matmul_heads(const Matrix* w, int64_t heads, const void* x, bool x_bf16, int64_t m, int64_t x_stride_token,
+                      int64_t x_stride_head, void* y, bool y_bf16, int64_t y_stride_token, int64_t y_stride_head,
+                      MatmulPath path, const KernelTable& kt, ThreadPool& pool);
+
+// The task split of run_matmul_heads: tasks of heads_per_task whole heads, or (blocks_per_head > 1) one block of
+// block_rows rows of one head.
+struct HeadTasks {
+  int64_t heads_per_task = 1, blocks_per_head = 1, block_rows = 0, count = 0;
+};
+HeadTasks matmul_heads_tasks(int64_t heads, int64_t rows, int threads, int64_t row_bytes);
+
 // For the fp8 codes of each row r: flags[r] = kRowHasNan | kRowHasSubnormal as they occur, and bit kb of
 // blocks[r * block_stride ...] set when column block kb holds a subnormal code. Runs on `pool`.
 void scan_fp8_rows(const Matrix& w, uint8_t* flags, uint8_t* blocks, int64_t block_stride, ThreadPool& pool);

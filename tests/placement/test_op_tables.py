@@ -149,11 +149,12 @@ def test_tables_that_do_not_cover_the_model_leave_the_roofline():
 
 # ---- the shapes are the engine's: traced on our engine (counted, not timed) ------------------------------
 def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
-    """Projections (rows, cols, tokens) run through layers.linear.Linear, absorption shapes (batch, rows, cols, tokens)
-    and attention calls (SDPA or the paged decode kernel) of one step of our engine."""
+    """Projections (rows, cols, tokens) run through layers.linear.Linear, absorption shapes (batch, rows, cols, tokens:
+    torch's bmm or the kernels' per-head matmul) and attention calls (SDPA or the paged decode kernel) of one step of
+    our engine."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from hybridmoe.layers import paged_attention
+    from hybridmoe.layers import attention_mla, paged_attention
     from hybridmoe.layers.linear import Linear
     from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
 
@@ -170,7 +171,7 @@ def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
 
     runner = ModelRunner(model, 8, 16)
     tokens = list(range(3, 3 + context))
-    project, kernel = Linear.__call__, paged_attention.decode_attention
+    project, kernel, per_head_kernel = Linear.__call__, paged_attention.decode_attention, attention_mla.matmul_heads
 
     def recording(self, x):
         linears.append((self.rows, self.cols, x.numel() // x.shape[-1]))
@@ -180,21 +181,27 @@ def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
         attention[0] += 1
         return kernel(*args, **kwargs)
 
+    def recorded_heads(heads, x, *args, **kwargs):  # MLA's absorption on the kernels: x [T, N, K], W_n [M, K]
+        absorptions.append((heads.heads, heads.rows, heads.cols, x.shape[0]))
+        return per_head_kernel(heads, x, *args, **kwargs)
+
     with torch.inference_mode():
         if queries == 1:
             runner.forward([SequenceChunk(tokens[:-1], 0, list(range(8)))])
         Linear.__call__, paged_attention.decode_attention = recording, counted_kernel
+        attention_mla.matmul_heads = recorded_heads
         try:
             with Trace():
                 runner.forward([SequenceChunk(tokens[-queries:], context - queries, list(range(8)))])
         finally:
             Linear.__call__, paged_attention.decode_attention = project, kernel
+            attention_mla.matmul_heads = per_head_kernel
     return sorted(linears), sorted(absorptions), attention[0]
 
 
 @pytest.mark.parametrize("model_type,overrides", [("deepseek_v3", {}), ("deepseek_v3", {"q_lora_rank": 24}),
                                                   ("qwen3_moe", {}), ("mixtral", {})])
-@pytest.mark.parametrize("queries,context", [(1, 9), (12, 12)])
+@pytest.mark.parametrize("queries,context", [(1, 9), (12, 12), (64, 64)])  # MLA: kernels, kernels, bmm
 def test_listed_matmuls_are_the_ones_our_engine_runs(tiny_model_dir, model_type, overrides, queries, context):
     from hybridmoe.models.loader import load_model
 

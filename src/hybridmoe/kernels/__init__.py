@@ -6,7 +6,8 @@ Modules:
   formats    the weight formats (fp8 e4m3 block, int4/int8 per group, bf16): quantisers, exact dequantisers
   reference  float64 references of the kernels (matmul per format, the routed-expert MoE)
   weights    wrapping tensors (zero-copy) as kernel matrices, with format checks
-  moe        FusedMoE: one layer's routed experts on the C++ kernels, submit/wait asynchronously
+  moe        FusedMoE: one layer's routed experts on the C++ kernels, submit/wait asynchronously; matmul (one
+             projection) and matmul_heads (one matrix per head, MLA's absorbed kv_b_proj)
 
 Imports nothing of ours except hybridmoe.config.
 """

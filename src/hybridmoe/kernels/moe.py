@@ -8,6 +8,9 @@ experts' intermediate dimension is copied once into that node's memory, and with
 node too) the experts are copied once into the kernels' own memory on transparent huge pages (see
 hybridmoe.kernels.numa).
 
+`matmul(w, x)` is one projection on the kernels (every `Linear`); `matmul_heads(heads, x)` one matrix per head in one
+call (MLA's absorbed kv_b_proj at decode).
+
 Legend: T tokens, H hidden, K top-k, I expert intermediate, E experts.
 """
 
@@ -20,7 +23,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from hybridmoe.kernels import _native
-from hybridmoe.kernels.weights import kernel_matrix
+from hybridmoe.kernels.weights import dense_format, kernel_matrix
 
 PATHS = ("auto", "gemv", "gemm")
 
@@ -152,4 +155,47 @@ def matmul(w: _native.Matrix, x: torch.Tensor, path: str = "auto",
     out = torch.empty((x.shape[0], w.rows), dtype=out_dtype)
     if x.shape[0]:
         _native.matmul(w, _dlpack(x), _dlpack(out), path)
+    return out
+
+
+class MatrixHeads:
+    """One weight matrix W_n [M, K] per head n < N, all of one format and shape, for `matmul_heads` (MLA's
+    absorbed kv_b_proj: W_uk^T [L, P] and W_uv [V, L] per head). The kernel matrices are views of the caller's
+    tensors (no copy) and hold them alive."""
+
+    def __init__(self, matrices: list[_native.Matrix]):
+        self._native = _native.MatrixHeads(matrices)
+        self.heads, self.rows, self.cols = self._native.heads, self._native.rows, self._native.cols
+
+    @classmethod
+    def dense(cls, w: torch.Tensor, name: str = "weight") -> "MatrixHeads":
+        """Float weights w [N, M, K] (float32, bfloat16 or float16; each head's rows contiguous, heads at any
+        stride: e.g. one half of kv_b_proj viewed per head), viewed as they are."""
+        if w.dim() != 3:
+            raise ValueError(f"{name}: per-head weights must be [N, M, K], got {list(w.shape)}")
+        fmt = dense_format(w.dtype)
+        return cls([kernel_matrix(fmt, w[n], name=f"{name}[{n}]") for n in range(w.shape[0])])
+
+
+def matmul_heads(heads: MatrixHeads, x: torch.Tensor, out: torch.Tensor | None = None, path: str = "auto",
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-head matmuls on the kernels (blocking): out[t, n] = x[t, n] @ W_n^T, x [T, N, K] -> out [T, N, M].
+
+    One pool dispatch over (heads, row block) tasks, computed in float32. x in float32 or bfloat16 goes to the kernels
+    as it is, at any strides over tokens and heads with contiguous rows (a view of q's no-rope half of [T, N, P+R]);
+    other dtypes through float32. `out`, when given, is written in place (float32 or bfloat16, rows contiguous, any
+    non-overlapping strides over tokens and heads: e.g. the first L columns of [T, N, L+R]); else a new [T, N, M] of
+    out_dtype (float32 or bfloat16; bfloat16 rounded to nearest even, as `.to(torch.bfloat16)` would).
+
+    Legend: T tokens, N heads, K input features, M output features of each head's matrix."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if x.dtype != torch.float32 and x.dtype != torch.bfloat16:
+        x = x.float()
+    if out is None:
+        if out_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+        out = torch.empty((x.shape[0], heads.heads, heads.rows), dtype=out_dtype)
+    if x.shape[0]:
+        _native.matmul_heads(heads._native, _dlpack(x), _dlpack(out), path)
     return out

@@ -59,6 +59,13 @@ def bf16_dot_matmul(x: torch.Tensor, fmt: str, data: torch.Tensor, scales: torch
     return out, size
 
 
+def matmul_heads(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe.matmul_heads in float64, with the size of its terms: x [T, N, K], per-head weights w [N, M, K] ->
+    (x[t, n] @ W_n^T, |x[t, n]| @ |W_n|^T) [T, N, M]."""
+    x, w = x.double(), w.double()
+    return torch.einsum("tnk,nmk->tnm", x, w), torch.einsum("tnk,nmk->tnm", x.abs(), w.abs())
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x))
 

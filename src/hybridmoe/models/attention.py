@@ -12,11 +12,13 @@ from typing import Protocol
 
 import torch
 
-from hybridmoe.config import ModelConfig
+from hybridmoe.config import AttentionConfig, ModelConfig
 from hybridmoe.layers.attention_gqa import GQAttention, GQAWeights
-from hybridmoe.layers.attention_mla import MLAttention, MLAWeights
+from hybridmoe.layers.attention_mla import (MLAttention, MLAWeights, absorbed_layout, split_absorbed, uk_transposed,
+                                            uv_heads)
 from hybridmoe.layers.paged_attention import AttentionMetadata
 from hybridmoe.layers.rope import RotaryEmbedding
+from hybridmoe.models.transformed_weights import PrivateWeights
 from hybridmoe.models.weight_loader import WeightLoader
 
 
@@ -25,6 +27,25 @@ class Attention(Protocol):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 cache: torch.Tensor) -> torch.Tensor: ...
+
+
+def _absorbed_kv_b(loader: WeightLoader, name: str, att: AttentionConfig) -> dict[str, torch.Tensor]:
+    """kv_b_proj [N*(P+V), L] as MLAWeights' w_uk_t [N, L, P] and w_uv [N, V, L] (attention_mla.Absorption), made at
+    load through `loader.derived` (once for serve --pd's workers), holding no more than kv_b_proj did. Converted or
+    dequantised into this process's own memory: both halves into one tensor its size and the converted kv_b_proj
+    dropped. A view of the mapped checkpoint (or kept in the workers' shared segment anyway): W_uv stays a view of
+    it and W_uk^T is the one copy (the checkpoint's W_uk half is no longer read after load)."""
+    N, P, V, L = att.num_heads, att.qk_nope_head_dim, att.v_head_dim, att.kv_lora_rank
+    kv_b, dtype = loader.dense(name, (N * (P + V), L)), loader.dtype
+    suffix = str(dtype).removeprefix("torch.")
+    if loader.reader.entry(name).dtype != dtype and isinstance(loader.transformed, PrivateWeights):
+        both = loader.derived(f"{name}:absorbed:{suffix}", (N, L * (P + V)), dtype,
+                              lambda out: absorbed_layout(kv_b, att, out))
+        w_uk_t, w_uv = split_absorbed(both, att)
+    else:
+        w_uk_t = loader.derived(f"{name}:uk_t:{suffix}", (N, L, P), dtype, lambda out: uk_transposed(kv_b, att, out))
+        w_uv = uv_heads(kv_b, att)
+    return {"w_uk_t": w_uk_t, "w_uv": w_uv}
 
 
 def build_mla(loader: WeightLoader, prefix: str, config: ModelConfig, rope: RotaryEmbedding) -> MLAttention:
@@ -36,7 +57,7 @@ def build_mla(loader: WeightLoader, prefix: str, config: ModelConfig, rope: Rota
         kv_a_proj=loader.linear(prefix + "kv_a_proj_with_mqa.weight", (lora + rope_dim, hidden),
                                 bias("kv_a_proj_with_mqa.bias")),
         kv_a_norm=loader.dense(prefix + "kv_a_layernorm.weight", (lora,)),
-        kv_b_proj=loader.dense(prefix + "kv_b_proj.weight", (heads * (att.qk_nope_head_dim + att.v_head_dim), lora)),
+        **_absorbed_kv_b(loader, prefix + "kv_b_proj.weight", att),
         o_proj=loader.linear(prefix + "o_proj.weight", (hidden, heads * att.v_head_dim), bias("o_proj.bias")),
     )
     if att.q_lora_rank is None:

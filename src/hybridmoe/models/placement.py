@@ -33,6 +33,7 @@ import torch
 from hybridmoe.accel.accelerator import Accelerator
 from hybridmoe.accel.stats import RunStats
 from hybridmoe.config import ModelConfig
+from hybridmoe.layers.attention_mla import Absorption
 from hybridmoe.layers.device_linear import DeviceLinear
 from hybridmoe.layers.linear import Linear
 from hybridmoe.layers.mlp import GatedMLP
@@ -307,10 +308,8 @@ def _to_device(obj, accel: Accelerator, name: str):
 
 def _place_attention(attention, accel: Accelerator, name: str) -> None:
     _to_device(attention.w, accel, name)
-    if hasattr(attention, "w_uk"):  # MLA: the per-head views of kv_b_proj, now on the device
-        cfg = attention.cfg
-        kv_b = attention.w.kv_b_proj.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        attention.w_uk, attention.w_uv = kv_b[:, : cfg.qk_nope_head_dim], kv_b[:, cfg.qk_nope_head_dim:]
+    if hasattr(attention, "absorption"):  # MLA: kv_b_proj's per-head products from the device copies, torch's bmm
+        attention.absorption = Absorption(attention.w.w_uk_t, attention.w.w_uv, kernels=False)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 For one model (loaded into the engine in its default compute dtype), `measure_op_tables` times: a projection at each
 weight shape the model's parts multiply against tokens (weights rotated through as many bytes as the model's
 weights hold, at most twice the last-level cache, so they come from where the engine finds them) and the fixed
-cost of a 16x16 one; MLA's absorption products on the engine's strided views of kv_b_proj; the engine's paged-cache
+cost of a 16x16 one; MLA's absorption products as the engine runs them (Absorption); the engine's paged-cache
 attention at the model's head shape (decode against context, prefill against chunk length); the engine's
 expert kernels per active expert against tokens per expert (the model's own weights, rotated cold); elementwise
 ops against element count; and the engine's host cost on a minimal-width copy of the same architecture (head,
@@ -88,26 +88,31 @@ def measure_linear(timer: OpTimer, shapes: list[tuple[int, int]], dtype: torch.d
 
 
 def measure_absorption(timer: OpTimer, config, dtype: torch.dtype) -> dict[tuple[int, int, int], SecondsTable]:
-    """Seconds of the engine's two MLA absorption products (layers/attention_mla.per_head) against LINEAR_TOKENS,
-    at the model's shapes, the operands laid out as the engine lays them out (q's no-rope half of [T, N, P+R];
-    W_uk and W_uv strided views of kv_b_proj). Empty for other attention."""
-    from hybridmoe.layers.attention_mla import per_head
+    """Seconds of the engine's two MLA absorption products (layers/attention_mla.Absorption's query and values: the
+    kernels' per-head matmul at few tokens, torch's bmm from ABSORB_KERNEL_MAX_TOKENS on) against LINEAR_TOKENS, at
+    the model's shapes, the operands laid out as the engine lays them out (q's no-rope half of [T, N, P+R] into the
+    first L columns of [T, N, L+R]; W_uk^T made at load, W_uv a view of kv_b_proj). Empty for other attention."""
+    from hybridmoe.layers.attention_mla import Absorption, uk_transposed, uv_heads
 
     a = config.attention
     if a.kind != "mla":
         return {}
     N, P, R, V, L = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank
-    kv_b = torch.randn(N * (P + V), L, dtype=dtype).view(N, P + V, L)
-    cases = (((N, L, P), lambda t: torch.randn(t, N, P + R, dtype=dtype)[..., :P], kv_b[:, :P]),
-             ((N, V, L), lambda t: torch.randn(t, N, L, dtype=dtype), kv_b[:, P:].transpose(1, 2)))
+    kv_b = torch.randn(N * (P + V), L, dtype=dtype)
+    absorption = Absorption(uk_transposed(kv_b, a), uv_heads(kv_b, a))
+
+    def query(t: int):
+        x, out = torch.randn(t, N, P + R, dtype=dtype)[..., :P], torch.empty(t, N, L + R, dtype=dtype)[..., :L]
+        return lambda: absorption.query(x, out)
+
+    def values(t: int):
+        x = torch.randn(t, N, L, dtype=dtype)
+        return lambda: absorption.values(x)
+
     tables = {}
-    for key, make_x, w in cases:
+    for key, op in (((N, L, P), query), ((N, V, L), values)):
         tokens = [t for t in LINEAR_TOKENS if t == 1 or 2 * N * key[1] * key[2] * t <= LINEAR_MAX_FLOPS]
-        seconds = []
-        for t in tokens:
-            x = make_x(t)
-            seconds.append(timer.median_s(lambda: per_head(x, w)))
-        tables[key] = SecondsTable(tuple(tokens), tuple(seconds))
+        tables[key] = SecondsTable(tuple(tokens), tuple(timer.median_s(op(t)) for t in tokens))
     return tables
 
 
