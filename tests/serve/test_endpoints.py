@@ -3,9 +3,12 @@ request outcomes, scheduler gauges, the prefix cache's hit rate), POST /tokenize
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import httpx
 
-from .conftest import MODEL_NAME
+from .conftest import MODEL_NAME, running_server, tiny_engine
 
 
 def test_health_and_models(server):
@@ -59,3 +62,15 @@ def test_tokenize_and_detokenize(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     both = httpx.post(server.url + "/tokenize", json={"prompt": "a", "messages": messages}, timeout=30)
     assert both.status_code == 400
+
+
+def test_a_stopped_server_frees_its_engine(model_dir):
+    # FastAPI keeps route functions in process-wide caches: an app whose routes held the engine kept its KV cache
+    # (a GB by default) alive after shutdown, one more for every app built in the process.
+    engine = tiny_engine(model_dir)
+    with running_server(engine) as running:
+        assert httpx.get(running.url + "/v1/models", timeout=10).status_code == 200
+    alive = weakref.ref(engine.engine)
+    del engine, running
+    gc.collect()
+    assert alive() is None

@@ -18,7 +18,7 @@ import signal
 import time
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -34,6 +34,78 @@ from hybridmoe.serve.state import ServerSettings, ServerState
 
 log = logging.getLogger("hybridmoe.serve")
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # what the API key guards (not /health, /metrics)
+
+
+# Routes are module-level and find their ServerState on request.app.state: FastAPI caches route functions in
+# process-wide LRU caches, and routes closing over the state kept every app's engine (and its KV cache) alive.
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await create_chat_completion(_state(request), body, request)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await create_completion(_state(request), body, request)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    state = _state(request)
+    state.check_ready()
+    return JSONResponse({"object": "list", "data": [{
+        "id": state.settings.served_model_name, "object": "model", "created": int(state.created),
+        "owned_by": "hybridmoe", "max_model_len": state.engine.max_model_len}]})
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    engine = _state(request).engine
+    if engine.is_ready:
+        return Response(status_code=200)
+    return APIError(503, "the model is still loading" if engine.load_error is None else
+                    f"the model failed to load: {engine.load_error}", retry_after=1).response()
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    state = _state(request)
+    state.check_model(body.model)
+    state.check_ready()
+    tokenizer = state.engine.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give either prompt or messages", param="prompt")
+    if body.messages is not None:
+        ids = render_messages(tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    else:
+        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    result = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+    if body.return_token_strs:
+        result["token_strs"] = [state.token_strings(t) for t in ids]
+    return JSONResponse(result)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+    state = _state(request)
+    state.check_model(body.model)
+    state.check_ready()
+    tokenizer = state.engine.tokenizer
+    bad = [t for t in body.tokens if t >= tokenizer.vocab_size]
+    if bad:
+        raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size}): got {bad[:5]}", param="tokens")
+    return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})
 
 
 def build_app(engine: EngineClient, settings: ServerSettings, on_load_failed=None) -> FastAPI:
@@ -53,59 +125,7 @@ def build_app(engine: EngineClient, settings: ServerSettings, on_load_failed=Non
     app = FastAPI(title="hybridmoe", version=__version__, lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(state, body, request)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await create_completion(state, body, request)
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        state.check_ready()
-        return JSONResponse({"object": "list", "data": [{
-            "id": settings.served_model_name, "object": "model", "created": int(state.created),
-            "owned_by": "hybridmoe", "max_model_len": engine.max_model_len}]})
-
-    @app.get("/health")
-    async def health() -> Response:
-        if engine.is_ready:
-            return Response(status_code=200)
-        return APIError(503, "the model is still loading" if engine.load_error is None else
-                        f"the model failed to load: {engine.load_error}", retry_after=1).response()
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> Response:
-        state.check_model(body.model)
-        state.check_ready()
-        tokenizer = engine.tokenizer
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give either prompt or messages", param="prompt")
-        if body.messages is not None:
-            ids = render_messages(tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-        else:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        result = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-        if body.return_token_strs:
-            result["token_strs"] = [state.token_strings(t) for t in ids]
-        return JSONResponse(result)
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> Response:
-        state.check_model(body.model)
-        state.check_ready()
-        vocab = engine.tokenizer.vocab_size
-        bad = [t for t in body.tokens if t >= vocab]
-        if bad:
-            raise APIError(400, f"token ids must be in [0, {vocab}): got {bad[:5]}", param="tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
-
+    app.include_router(router)
     app.add_middleware(_Guard, settings=settings)
     return app
 
