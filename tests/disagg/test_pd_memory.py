@@ -164,16 +164,17 @@ def _transformed_memory(model_dir, shared: bool, monkeypatch) -> tuple[int, dict
 
 
 def test_transformed_weights_are_held_once(tiny_model_dir, monkeypatch):
-    # a bf16 checkpoint computed in float32: every dense weight is converted at load, ~75 MB of float32
-    # (embedding and LM head 4096 x 1024, 4 layers of attention 2.5 M each); the experts stay bf16 views
-    model_dir = tiny_model_dir("qwen3_moe", dtype=torch.bfloat16, vocab_size=4096, hidden_size=1024,
-                               num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-                               moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+    # a bf16 checkpoint computed in float32: the embedding is converted at load, 64 MB of float32 (16384 x 1024),
+    # and tied, so it is the LM head too, which both workers read whole; the projections and experts stay bf16 views
+    model_dir = tiny_model_dir("qwen3_moe", dtype=torch.bfloat16, vocab_size=16384, hidden_size=1024,
+                               tie_word_embeddings=True, num_hidden_layers=2, num_attention_heads=8,
+                               num_key_value_heads=2, head_dim=128, moe_intermediate_size=64, num_experts=4,
+                               num_experts_per_tok=2)
     segment_kb, shared = _transformed_memory(model_dir, True, monkeypatch)
     _, separate = _transformed_memory(model_dir, False, monkeypatch)
     print(f"\nsegment {segment_kb} kB; with it: {shared}; each worker its own: {separate}")
     assert segment_kb > 60_000
-    # both workers compute from the segment's pages (the decode worker reads nearly all but embedding rows) ...
+    # both workers compute from the segment's pages (the tied LM head reads it whole) ...
     for role in ("prefill", "decode"):
         assert shared[role]["segment_rss"] > 0.5 * segment_kb, role
     # ... which the machine counts once

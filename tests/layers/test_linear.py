@@ -1,6 +1,7 @@
 """`Linear` (every projection outside the routed experts) against a float64 reference on fresh random data: each
-weight format, decode-sized and prefill-sized batches (both sides of the float weights' torch crossover), with
-and without a bias, on every ISA this machine runs."""
+weight format, decode-sized and prefill-sized batches (both sides of the float weights' torch crossovers: same
+dtype as the activations, and bf16/f16 weights under float32 ones), with and without a bias, on every ISA this
+machine runs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from hybridmoe.checkpoint.fp8 import dequantize_fp8, quantize_fp8
 from hybridmoe.kernels import isa
 from hybridmoe.kernels.formats import dequantize_int, quantize_int4, quantize_int8
-from hybridmoe.layers.linear import FLOAT_KERNEL_MAX_TOKENS, Linear
+from hybridmoe.layers.linear import CONVERT_ROWS, CONVERTED_KERNEL_MAX_TOKENS, FLOAT_KERNEL_MAX_TOKENS, Linear
 
 ROWS, COLS = 200, 320  # not multiples of 128: partial FP8 blocks and int groups at the edges
 
@@ -30,7 +31,7 @@ def make(fmt: str, gen: torch.Generator) -> tuple[Linear, torch.Tensor]:
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "f16", "fp8", "int4", "int8"])
-@pytest.mark.parametrize("tokens", [1, 3, FLOAT_KERNEL_MAX_TOKENS, 40])
+@pytest.mark.parametrize("tokens", [1, 3, FLOAT_KERNEL_MAX_TOKENS, 40, CONVERTED_KERNEL_MAX_TOKENS])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_float64_reference(each_isa, fmt, tokens, with_bias):
     gen = torch.Generator().manual_seed(hash((fmt, tokens, with_bias, each_isa)) % 2**31)
@@ -43,10 +44,27 @@ def test_linear_matches_float64_reference(each_isa, fmt, tokens, with_bias):
     assert got.dtype == torch.float32 and got.shape == (tokens, ROWS)
     # int formats quantise the activations to int8 per group; bf16 dot products and AMX round them to bf16
     rounds = fmt in ("int4", "int8") or (fmt in ("bf16", "fp8") and (isa.bf16_dot() or isa.amx()))
-    torch_path = fmt in ("f32", "bf16", "f16") and tokens >= FLOAT_KERNEL_MAX_TOKENS
+    torch_path = ((fmt == "f32" and tokens >= FLOAT_KERNEL_MAX_TOKENS) or
+                  (fmt in ("bf16", "f16") and tokens >= CONVERTED_KERNEL_MAX_TOKENS))
     tolerance = 2e-2 if rounds and not torch_path else 1e-5
     err = (got.double() - expected).abs().max() / expected.abs().max()
     assert err < tolerance, f"{fmt} T={tokens}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float16])
+def test_stored_half_weights_under_float32_convert_in_row_blocks(fmt):
+    # more rows than one conversion block, and a partial last block
+    gen = torch.Generator().manual_seed(7)
+    rows = 2 * CONVERT_ROWS + 88
+    stored = (torch.randn(rows, COLS, generator=gen) * 0.05).to(fmt)
+    linear = Linear.dense(stored)
+    linear.bias = torch.randn(rows, generator=gen)
+    x = torch.randn(CONVERTED_KERNEL_MAX_TOKENS + 5, COLS, generator=gen)
+    expected = x.double() @ stored.double().T + linear.bias.double()
+    got = linear(x)
+    assert got.dtype == torch.float32 and got.shape == (x.shape[0], rows)
+    assert ((got.double() - expected).abs().max() / expected.abs().max()) < 1e-5
+    assert linear.data.dtype == fmt  # still as stored
 
 
 def test_linear_keeps_the_input_dtype_and_leading_dims():

@@ -5,7 +5,10 @@ The weight keeps its stored format: float (f32/bf16/f16, in the model's compute 
 holds it so. The kernels' GEMV reads a decode step's weights near the memory bandwidth (torch's bf16 matmul at
 one token reads at a fraction of it); from FLOAT_KERNEL_MAX_TOKENS tokens on, float weights go to torch's matmul
 (oneDNN, AMX where present), which beat the kernels' GEMM there on the machines measured (docs/kernels.md,
-"Linear layers"). FP8 and int weights run on the kernels at every size: torch has no matmul for them.
+"Linear layers"). A bf16/f16 weight under a float32 compute dtype (a CPU without bf16 units) stays as stored, half
+the bytes a decode step reads: the kernels up to CONVERTED_KERNEL_MAX_TOKENS tokens, then torch's matmul over
+blocks of CONVERT_ROWS rows converted into a small buffer. FP8 and int weights run on the kernels at every size:
+torch has no matmul for them.
 
 Legend: T tokens, K input features, N output features.
 """
@@ -19,6 +22,15 @@ from hybridmoe.kernels.moe import matmul
 from hybridmoe.kernels.weights import contiguous_rows, dense_format, kernel_matrix
 
 FLOAT_KERNEL_MAX_TOKENS = 8  # float weights: the kernels below this many tokens, torch's matmul from it on
+# Weights in another float dtype than the activations: the kernels read them as stored and beat converting until
+# about 64 tokens (AVX2 Zen 3, 2 threads: 2.9 against 6.9 ms at 16 tokens of 4096 x 2048 bf16; 0.5x at 512).
+CONVERTED_KERNEL_MAX_TOKENS = 64
+CONVERT_ROWS = 256  # rows converted at a time above that: 2 MB of float32 at 2048 columns, warm in cache for the mm
+
+
+def keeps_stored(stored: torch.dtype, compute: torch.dtype) -> bool:
+    """Whether a float projection stored in `stored` stays so under the compute dtype (bf16/f16 under float32)."""
+    return compute == torch.float32 and stored in (torch.bfloat16, torch.float16)
 
 
 class Linear:
@@ -50,11 +62,27 @@ class Linear:
         if x.dim() != 2:
             return self(x.reshape(-1, self.cols)).view(*x.shape[:-1], self.rows)
         weight = self.weight
-        if weight is not None and x.shape[0] >= FLOAT_KERNEL_MAX_TOKENS:
-            return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype), self.bias)
+        if weight is not None and weight.dtype == x.dtype and x.shape[0] >= FLOAT_KERNEL_MAX_TOKENS:
+            return F.linear(x, weight, self.bias)
+        if weight is not None and weight.dtype != x.dtype and x.shape[0] >= CONVERTED_KERNEL_MAX_TOKENS:
+            return _linear_converting(x, weight, self.bias)
         if self.bias is None and (x.dtype == torch.bfloat16 or x.dtype == torch.float32):
             return matmul(self.matrix, x, out_dtype=x.dtype)  # [T, N]; bf16 in and out without torch conversions
         y = matmul(self.matrix, x)  # [T, N] float32; a decode step runs this for every projection: lean
         if self.bias is not None:
             y += self.bias
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def _linear_converting(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, K] @ weight^T (+ bias) -> [T, N] in x's dtype, weight [N, K] in another float dtype: converted
+    CONVERT_ROWS rows at a time into one reused buffer (a whole converted copy would be new memory each call)."""
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
+    buffer = torch.empty((min(CONVERT_ROWS, weight.shape[0]), weight.shape[1]), dtype=x.dtype)
+    for r0 in range(0, weight.shape[0], CONVERT_ROWS):
+        block = buffer[: min(CONVERT_ROWS, weight.shape[0] - r0)]
+        block.copy_(weight[r0:r0 + block.shape[0]])
+        out[:, r0:r0 + block.shape[0]] = x @ block.t()
+    if bias is not None:
+        out += bias.to(x.dtype)
+    return out

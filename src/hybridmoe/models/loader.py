@@ -23,7 +23,8 @@ EXPERT_BACKENDS: dict[str, ExpertBackendFactory] = {"cpu": CpuExpertBackend, "to
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """A dtype name -> torch dtype. "auto": bfloat16 where the hardware computes in it natively (a GPU, a CPU
     with AVX512-BF16), else float32 (a CPU without bf16 units runs bf16 matmuls several times slower than
-    fp32). The compute dtype never converts routed experts: they stay in their stored format."""
+    fp32). The compute dtype never converts routed experts, nor bf16/f16 projections under float32: they stay in
+    their stored format for the kernels (layers.linear)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":

@@ -3,7 +3,8 @@
 `WeightLoader.dense(name, shape)` returns a tensor in the model's compute dtype: a zero-copy view of the
 mapped checkpoint when the stored dtype already matches, a converted copy otherwise, and an exact block
 dequantisation for FP8 tensors that carry a `weight_scale_inv`. `WeightLoader.linear(name, shape)` returns a
-projection for the kernels (layers.linear.Linear) in its stored format: FP8 and int4/int8 stay as stored.
+projection for the kernels (layers.linear.Linear) in its stored format: FP8 and int4/int8 stay as stored, and so
+do bf16/f16 under a float32 compute dtype (converted, they would double the bytes a decode step reads).
 `WeightLoader.experts(...)` keeps routed experts as stored (FP8 stays FP8 for the CPU kernels, BF16 stays BF16
 under a float32 compute dtype). The converted and dequantised copies, and router weights converted to float32,
 are the only tensors the loader makes: they go through a `TransformedWeights` (models/transformed_weights.py:
@@ -20,7 +21,7 @@ import torch
 from hybridmoe.checkpoint.fp8 import SCALE_SUFFIX, dequantize_fp8
 from hybridmoe.checkpoint.safetensors_reader import CheckpointError, CheckpointReader
 from hybridmoe.config import ModelConfig
-from hybridmoe.layers.linear import Linear
+from hybridmoe.layers.linear import Linear, keeps_stored
 from hybridmoe.layers.moe.backend import ExpertWeights
 from hybridmoe.models.transformed_weights import PrivateWeights, TransformedWeights
 
@@ -51,8 +52,8 @@ class WeightLoader:
 
     def linear(self, name: str, shape: tuple[int, int], bias: str | None = None) -> Linear:
         """A projection weight [N, K] for the kernels, kept in its stored format: FP8 with its block scales,
-        int4/int8 per group (quantised by `hybridmoe quantize`), else float in the compute dtype; with the bias
-        tensor `bias` (compute dtype) when given."""
+        int4/int8 per group (quantised by `hybridmoe quantize`), bf16/f16 under a float32 compute dtype, else float
+        in the compute dtype; with the bias tensor `bias` (compute dtype) when given."""
         b = self.dense(bias, (shape[0],)) if bias is not None else None
         if self.config.expert_quantization is not None and name + "_scale" in self.reader:
             fmt, data, scales = self._int_matrix(name, shape)
@@ -61,6 +62,9 @@ class WeightLoader:
         if tensor.dtype in FP8_DTYPES:
             self.used.add(name)
             return Linear("fp8", tensor, self._scale(name, shape), cols=shape[1], bias=b, block=self.block, name=name)
+        if keeps_stored(tensor.dtype, self.dtype):
+            self.used.add(name)
+            return Linear.dense(tensor, b, name=name)
         return Linear.dense(self.dense(name, shape), b, name=name)
 
     def optional_dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:

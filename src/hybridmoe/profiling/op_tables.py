@@ -62,20 +62,22 @@ def minimal_width_copy(model_dir: Path, out: Path) -> Path:
     return save_tiny_model(out, raw["model_type"], seed=0, dtype=stored, **params)
 
 
-def measure_linear(timer: OpTimer, shapes: list[tuple[int, int]], dtype: torch.dtype,
-                   pool_bytes: int) -> tuple[dict[tuple[int, int], SecondsTable], float]:
+def measure_linear(timer: OpTimer, shapes: list[tuple[int, int]], dtype: torch.dtype, pool_bytes: int,
+                   weight_dtype: torch.dtype | None = None) -> tuple[dict[tuple[int, int], SecondsTable], float]:
     """Seconds of the engine's projection (layers.linear.Linear: the kernels at few tokens, torch's matmul from
-    FLOAT_KERNEL_MAX_TOKENS on) of x [T, cols] through a rows x cols weight, for each weight shape against
-    LINEAR_TOKENS (those within LINEAR_MAX_FLOPS), each call with the next weights of a pool of `pool_bytes` of
-    copies (or one, if larger). Also the fixed cost of one call (a 16x16 weight, one token)."""
+    FLOAT_KERNEL_MAX_TOKENS on) of x [T, cols] in dtype through a rows x cols weight in weight_dtype (default
+    dtype), for each weight shape against LINEAR_TOKENS (those within LINEAR_MAX_FLOPS), each call with the next
+    weights of a pool of `pool_bytes` of copies (or one, if larger). Also the fixed cost of one call (a 16x16
+    weight, one token)."""
     from hybridmoe.layers.linear import Linear
 
-    pool = torch.randn(max(pool_bytes, 1) // dtype.itemsize, dtype=dtype)
+    weight_dtype = weight_dtype or dtype
+    pool = torch.randn(max(pool_bytes, 1) // weight_dtype.itemsize, dtype=weight_dtype)
     tables = {}
     for rows, cols in shapes:
         size = rows * cols
         weights = ([pool[k * size:(k + 1) * size].view(rows, cols) for k in range(pool.numel() // size)]
-                   or [torch.randn(rows, cols, dtype=dtype)])
+                   or [torch.randn(rows, cols, dtype=weight_dtype)])
         projections = [Linear.dense(w) for w in weights]
         tokens = [t for t in LINEAR_TOKENS if t == 1 or 2 * size * t <= LINEAR_MAX_FLOPS]
         seconds = []
@@ -267,12 +269,15 @@ class OpTableBench:
 
     def measure(self) -> OpTables:
         """Every table the cost model reads for this model, on this machine, now."""
+        from hybridmoe.layers.linear import keeps_stored
         from hybridmoe.layers.moe.block import MoEBlock
 
         model, timer = self.model, OpTimer(self.between)
         dtype, spec = model.dtype, ModelSpec(model.config)
         pool = min(weight_bytes(model), 2 * last_level_cache_bytes())
-        linear, floor = measure_linear(timer, model_matmuls(spec), dtype, pool)
+        stored = getattr(torch, model.config.torch_dtype, dtype)
+        linear, floor = measure_linear(timer, model_matmuls(spec), dtype, pool,
+                                       weight_dtype=stored if keeps_stored(stored, dtype) else dtype)
         decode, prefill = measure_attention(timer, model.config, dtype)
         moe = next((l.mlp.experts.moe for l in model.layers if isinstance(l.mlp, MoEBlock)), None)
         if moe is None:
