@@ -112,11 +112,17 @@ def test_bench_ep_prediction_is_half_of_one_gpu_over_a_free_link_and_pays_for_a_
     alone = one_gpu(config, 512, "all", counts, 1.0, 0.5, stand_in=False).total_s
     free = predict(config, counts, 1.0, 0.5, 1e9, stand_in=False)
     assert free.total_s == pytest.approx(alone / 2, rel=1e-3)
-    # two stand-in ranks share one host: no faster than one rank, and copies no longer hide behind compute
-    shared = predict(config, counts, 1.0, 0.5, 1e9, stand_in=True)
-    assert shared.total_s == pytest.approx(one_gpu(config, 512, "all", counts, 1.0, 0.5, stand_in=True).total_s,
-                                           rel=1e-3)
+    # two stand-in ranks of 2 threads share a 2-core host: no faster than one rank, and copies no longer hide
+    # behind compute (no core is free for the copy threads)
+    shared = predict(config, counts, 1.0, 0.5, 1e9, stand_in=True, cores=2, threads=2)
+    one_rank = one_gpu(config, 512, "all", counts, 1.0, 0.5, stand_in=True, cores=2, threads=2).total_s
+    assert shared.total_s == pytest.approx(one_rank, rel=1e-3)
     assert shared.total_s > alone
+    # with a core for every thread, copy threads included, the stand-in ranks are two GPUs
+    spare = predict(config, counts, 1.0, 0.5, 1e9, stand_in=True, cores=4, threads=1)
+    assert spare.total_s == pytest.approx(free.total_s, rel=1e-3)
+    assert one_gpu(config, 512, "all", counts, 1.0, 0.5, stand_in=True, cores=2, threads=1).total_s == \
+        pytest.approx(alone, rel=1e-3)
     slow = predict(config, counts, 1.0, 0.5, 0.1, stand_in=False)  # 0.1 GB/s: 512 x 1024 bf16 states each way
     exchange = sum(u.handoff_s for u in slow.units if u.name in ("dispatch", "combine"))
     assert exchange == pytest.approx(SLP_LAYERS * 2 * 512 * (1 - 0.5**k) * 1024 * 2 / 0.1e9, rel=1e-6)

@@ -15,10 +15,10 @@ the two ranks (a gloo ping-pong between this process and a helper process, of th
 x hidden in the compute dtype, latency included). The prediction never sees an exchange's timing.
 
 Each round also streams the same chunk on one rank alone (the SLP case's engine path) next to the planner's
-one-GPU schedule, so the row carries the 2-rank speedup, measured and predicted. On the 2-core stand-in both ranks,
-each with a compute thread and a copy thread, share the same two cores: the prediction gives each stand-in rank
-its share of the host's measured rates (1/N) and no copy/compute overlap (schedule.copies_overlap), where real
-GPUs would each bring their own. The rows say the load average.
+one-GPU schedule, so the row carries the 2-rank speedup, measured and predicted. On the stand-in both ranks, each
+with its compute threads and a copy thread, share the host's cores: the prediction gives each rank its share of
+the host's measured rates and overlaps its copies with compute only where a core is free for each copy thread
+(`_slp_case.stand_in_share`), where real GPUs would each bring their own. The rows say the load average.
 """
 
 from __future__ import annotations
@@ -115,15 +115,17 @@ def _echo(port: int, num_bytes: int, times: int) -> None:
 
 
 def predict(config, counts: list[list[int]], copy_gbs: float, compute_s: float, p2p_gbs: float,
-            stand_in: bool | None = None):
+            stand_in: bool | None = None, cores: int | None = None, threads: int | None = None):
     """The planner's schedule of one GPU's experts, dispatch and combine units of the chunk for two GPUs with
     parallel="rank0": this copy bandwidth, a grouped-matmul rate that computes the whole chunk's experts (all
-    layers, one GPU) in `compute_s`, and this GPU<->GPU link."""
+    layers, one GPU) in `compute_s`, and this GPU<->GPU link; on the stand-in, each rank's share of the host's
+    rates and whether its copies overlap as stand_in_share(2, cores, threads) says."""
     from hybridmoe.placement import hardware
     from hybridmoe.placement.costmodel import CostModel
     from hybridmoe.placement.modelspec import ModelSpec
     from hybridmoe.placement.passes import PassBuilder, Residency
     from hybridmoe.placement.routing import RoutingStats
+    from hybridmoe.bench._slp_case import stand_in_share
     from hybridmoe.placement.schedule import copies_overlap, run
 
     spec = ModelSpec(config)
@@ -131,8 +133,8 @@ def predict(config, counts: list[list[int]], copy_gbs: float, compute_s: float, 
     pairs = EP_CHUNK * spec.top_k * len(moe_layers)
     tflops = 2.0 * spec.moe_layers[0].expert * pairs / compute_s / 1e12
     stand_in = not torch.cuda.is_available() if stand_in is None else stand_in
-    if stand_in:  # the ranks stand in on one host: they share its cores and memory bandwidth
-        tflops, copy_gbs = tflops / EP_GPUS, copy_gbs / EP_GPUS
+    share, overlap = stand_in_share(EP_GPUS, cores, threads) if stand_in else (1.0, True)
+    tflops, copy_gbs = tflops * share, copy_gbs * share  # the ranks stand in on one host: they share its cores
     table = [(1.0, tflops), (1e6, tflops)]
     gpu = hardware.GpuSpec(name="stand-in", description="the CPU standing in, as measured in this round",
                            memory_gb=1e3, reserved_gb=0.0, memory_gbs=1e6, memory_efficiency=1.0,
@@ -146,7 +148,7 @@ def predict(config, counts: list[list[int]], copy_gbs: float, compute_s: float, 
     slot = max(cost.layer_expert_bytes(l) for l in moe_layers) / EP_GPUS
     units = [u for u in builder.prefill_units("slp", EP_CHUNK, 0, last=False, gpus=EP_GPUS, slot_bytes=slot,
                                               parallel="rank0") if u.name in ("experts", "dispatch", "combine")]
-    return run(units, buffers=2, overlap=copies_overlap(gpu))
+    return run(units, buffers=2, overlap=copies_overlap(gpu) or overlap)
 
 
 def ep_rows(model_dir: Path, dtype: torch.dtype, rounds: int, threads: int, log=print) -> list[dict]:

@@ -101,10 +101,21 @@ class SlpCase:
         return seconds, gbs
 
 
+def stand_in_share(ranks: int, cores: int | None = None, threads: int | None = None) -> tuple[float, bool]:
+    """On the CPU stand-in, where `ranks` ranks of `threads` compute threads (default torch's) and one copy thread
+    each run on `cores` CPUs (default this process's): the share of the host's measured rates a rank gets, and
+    whether its copies overlap its compute (only with a core free for every copy thread; a GPU's copy engine
+    always does). Load from other jobs is not modelled: it takes the spare core the overlap needs."""
+    cores = cores or len(os.sched_getaffinity(0))
+    threads = threads or torch.get_num_threads()
+    return min(1.0, cores / (ranks * threads)), ranks * (threads + 1) <= cores
+
+
 def predict(config, chunk: int, copy: str, counts: list[list[int]], copy_gbs: float, compute_s: float,
-            stand_in: bool | None = None):
+            stand_in: bool | None = None, cores: int | None = None, threads: int | None = None):
     """The planner's schedule of the experts units of one chunk on an accelerator with this copy bandwidth and
-    a grouped-matmul rate that computes this chunk's experts in `compute_s` (all layers)."""
+    a grouped-matmul rate that computes this chunk's experts in `compute_s` (all layers); on the stand-in, copies
+    overlap compute as stand_in_share(1, cores, threads) says."""
     from hybridmoe.placement import hardware
     from hybridmoe.placement.costmodel import CostModel
     from hybridmoe.placement.modelspec import ModelSpec
@@ -112,6 +123,7 @@ def predict(config, chunk: int, copy: str, counts: list[list[int]], copy_gbs: fl
     from hybridmoe.placement.routing import RoutingStats
     from hybridmoe.placement.schedule import copies_overlap, run
 
+    stand_in = not torch.cuda.is_available() if stand_in is None else stand_in
     spec = ModelSpec(config)
     moe_layers = tuple(l.index for l in spec.moe_layers)
     pairs = chunk * spec.top_k * len(moe_layers)
@@ -121,8 +133,7 @@ def predict(config, chunk: int, copy: str, counts: list[list[int]], copy_gbs: fl
                            memory_gb=1e3, reserved_gb=0.0, memory_gbs=1e6, memory_efficiency=1.0,
                            peak_tflops={"fp32": tflops, "bf16": tflops}, matmul_efficiency=1.0, h2d_gbs=copy_gbs,
                            d2h_gbs=copy_gbs, link_latency_us=1.0,
-                           stand_in=not torch.cuda.is_available() if stand_in is None else stand_in,
-                           matmul_table={"fp32": table, "bf16": table})
+                           stand_in=stand_in, matmul_table={"fp32": table, "bf16": table})
     cpu = replace(hardware.reference_profile("desktop-2ch").cpu, memory_read_gbs=1e6)  # never caps the link
     routing = RoutingStats.from_counts(moe_layers, np.array(counts), spec.top_k)
     cost = CostModel(hardware.Machine("stand-in", cpu, gpu), spec, routing=routing)
@@ -130,7 +141,7 @@ def predict(config, chunk: int, copy: str, counts: list[list[int]], copy_gbs: fl
     slot = max(cost.layer_expert_bytes(l) for l in moe_layers)
     units = [u for u in builder.prefill_units("slp", chunk, 0, last=False, slot_bytes=slot,
                                               activated_only=copy == "activated") if u.name == "experts"]
-    return run(units, buffers=2, overlap=copies_overlap(gpu))
+    return run(units, buffers=2, overlap=copies_overlap(gpu) or stand_in_share(1, cores, threads)[1])
 
 
 def slp_rows(model_dir: Path, dtype: torch.dtype, rounds: int, threads: int, log=print) -> list[dict]:
