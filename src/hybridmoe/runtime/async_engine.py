@@ -60,7 +60,8 @@ class AsyncLLMEngine:
         self.model = model
         self._factory = engine_factory or (lambda: LLMEngine(model, config))
         self.on_request_finished = on_request_finished
-        self.engine: LLMEngine | None = None  # set once loaded; used by the engine thread only after that
+        self.engine: LLMEngine | None = None  # set once loaded, None again after shutdown; the engine thread's
+        self._tokenizer, self._max_model_len = None, 0
         self.load_error: BaseException | None = None
         self._loaded = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -130,12 +131,12 @@ class AsyncLLMEngine:
     @property
     def tokenizer(self):
         """The model's Tokenizer (runtime.tokenizer); once loaded."""
-        return self.engine.tokenizer
+        return self._tokenizer
 
     @property
     def max_model_len(self) -> int:
         """The most tokens (prompt + output) one request may hold; once loaded."""
-        return self.engine.max_model_len
+        return self._max_model_len
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -157,6 +158,7 @@ class AsyncLLMEngine:
         finally:
             self._loaded.set()
         engine = self.engine
+        self._tokenizer, self._max_model_len = engine.tokenizer, engine.max_model_len
         self._stats = engine.stats()
         stopping = False
         while not (stopping and not engine.has_unfinished_requests()):
@@ -179,6 +181,7 @@ class AsyncLLMEngine:
             self._closed = True
             self._handle_commands(block=False)  # requests that arrived during the shutdown are refused
         engine.close()  # worker ranks and device slots the engine started beside the model
+        self.engine = None  # its KV cache and model go now, not when some cycle through a caller is collected
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply the inbox's adds and aborts (waiting for one when block); True when shutdown was asked."""
