@@ -45,6 +45,14 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
+def _ready(request: Request, model: str | None) -> ServerState:
+    """The state, once `model` (if named) is the one served and it is loaded; else the 404 or 503."""
+    state = _state(request)
+    state.check_model(model)
+    state.check_ready()
+    return state
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await create_chat_completion(_state(request), body, request)
@@ -80,9 +88,7 @@ async def metrics(request: Request) -> Response:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-    state = _state(request)
-    state.check_model(body.model)
-    state.check_ready()
+    state = _ready(request, body.model)
     tokenizer = state.engine.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give either prompt or messages", param="prompt")
@@ -98,10 +104,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
-    state = _state(request)
-    state.check_model(body.model)
-    state.check_ready()
-    tokenizer = state.engine.tokenizer
+    tokenizer = _ready(request, body.model).engine.tokenizer
     bad = [t for t in body.tokens if t >= tokenizer.vocab_size]
     if bad:
         raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size}): got {bad[:5]}", param="tokens")
