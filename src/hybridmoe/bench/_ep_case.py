@@ -120,12 +120,12 @@ def predict(config, counts: list[list[int]], copy_gbs: float, compute_s: float, 
     parallel="rank0": this copy bandwidth, a grouped-matmul rate that computes the whole chunk's experts (all
     layers, one GPU) in `compute_s`, and this GPU<->GPU link; on the stand-in, each rank's share of the host's
     rates and whether its copies overlap as stand_in_share(2, cores, threads) says."""
+    from hybridmoe.bench._slp_case import stand_in_share
     from hybridmoe.placement import hardware
     from hybridmoe.placement.costmodel import CostModel
     from hybridmoe.placement.modelspec import ModelSpec
     from hybridmoe.placement.passes import PassBuilder, Residency
     from hybridmoe.placement.routing import RoutingStats
-    from hybridmoe.bench._slp_case import stand_in_share
     from hybridmoe.placement.schedule import copies_overlap, run
 
     spec = ModelSpec(config)
