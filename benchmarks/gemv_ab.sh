@@ -13,7 +13,9 @@
 # default 128), HM_AB_SUBNORMALS=1 (fp8: a subnormal code about 1 in 5000, as in real checkpoints; default none),
 # HM_AB_THREADS=n (each side on n threads at once, each over its share of the matrices; default 1),
 # HM_AB_SHORT_ROW_PREFETCH=l1|l2 (where both sides' far prefetch puts short rows, as HYBRIDMOE_SHORT_ROW_PREFETCH
-# does in hybridmoe; default l1, a side whose headers predate the setting always l1).
+# does in hybridmoe; default l1, a side whose headers predate the setting always l1), HM_AB_BUILD_DIR=DIR (build
+# into DIR and reuse the program there while the base, ISA, compiler and sources are the same; default a
+# temporary directory).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(git -C "$here" rev-parse --show-toplevel)
@@ -56,17 +58,29 @@ if [[ -n ${HM_AB_SHORT_ROW_PREFETCH:-} && $HM_AB_SHORT_ROW_PREFETCH != l1 && $HM
   echo "HM_AB_SHORT_ROW_PREFETCH must be l1 or l2, got $HM_AB_SHORT_ROW_PREFETCH" >&2
   exit 2
 fi
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-mkdir "$tmp/base"
-git -C "$repo" archive "$base" csrc | tar -x -C "$tmp/base"
 cxx=${CXX:-g++}
-common=(-O3 -std=c++17 "${cflags[@]}" "-DVOCAB=$vocab")
-"$cxx" "${common[@]}" -I"$tmp/base/csrc" -DSIDE=run_base -c "$here/gemv_ab/side.cpp" -o "$tmp/base.o" &
-"$cxx" "${common[@]}" -I"$repo/csrc" -DSIDE=run_work -c "$here/gemv_ab/side.cpp" -o "$tmp/work.o"
-wait
-"$cxx" -O2 -std=c++17 -mavx2 -I"$repo/csrc" "$here/gemv_ab/main.cpp" "$repo/csrc/activation_quant.cpp" "$tmp/base.o" \
-  "$tmp/work.o" -pthread -o "$tmp/gemv_ab"
+if [[ -n ${HM_AB_BUILD_DIR:-} ]]; then
+  tmp=$HM_AB_BUILD_DIR
+  mkdir -p "$tmp"
+else
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+fi
+# what the program is built from: a build dir's program is reused while this is unchanged
+stamp=$( { git -C "$repo" rev-parse "$base"; echo "$isa $cxx"; cat "$repo"/csrc/*.h "$repo"/csrc/*.cpp "$here"/gemv_ab/*; } |
+  sha256sum | cut -d' ' -f1)
+if [[ ! -x $tmp/gemv_ab || $(cat "$tmp/stamp" 2>/dev/null) != "$stamp" ]]; then
+  rm -rf "$tmp/base" "$tmp/stamp"
+  mkdir "$tmp/base"
+  git -C "$repo" archive "$base" csrc | tar -x -C "$tmp/base"
+  common=(-O3 -std=c++17 "${cflags[@]}" "-DVOCAB=$vocab")
+  "$cxx" "${common[@]}" -I"$tmp/base/csrc" -DSIDE=run_base -c "$here/gemv_ab/side.cpp" -o "$tmp/base.o" &
+  "$cxx" "${common[@]}" -I"$repo/csrc" -DSIDE=run_work -c "$here/gemv_ab/side.cpp" -o "$tmp/work.o"
+  wait
+  "$cxx" -O2 -std=c++17 -mavx2 -I"$repo/csrc" "$here/gemv_ab/main.cpp" "$repo/csrc/activation_quant.cpp" \
+    "$tmp/base.o" "$tmp/work.o" -pthread -o "$tmp/gemv_ab"
+  echo "$stamp" > "$tmp/stamp"
+fi
 echo "base $(git -C "$repo" rev-parse --short "$base") vs working tree, ISA $isa, short rows prefetched to" \
   "${HM_AB_SHORT_ROW_PREFETCH:-l1}, ${HM_AB_THREADS:-1} thread(s)"
 "$tmp/gemv_ab" "$@"

@@ -23,20 +23,28 @@ def _git(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
 
 
+@pytest.fixture(scope="module")
+def build_dir(tmp_path_factory):
+    """One build of the harness for the module's runs (HM_AB_BUILD_DIR): the settings below are all run time."""
+    return tmp_path_factory.mktemp("gemv_ab")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,env", [("fp8", {"HM_AB_HUGE_PAGES": "0"}), ("fp8", {"HM_AB_HUGE_PAGES": "1"}),
                                      ("fp8", {"HM_AB_SUBNORMALS": "1"}), ("int4", {"HM_AB_INT_GROUP": "32"}),
                                      ("int4", {"HM_AB_THREADS": "2"}),
                                      ("fp8", {"HM_AB_SHORT_ROW_PREFETCH": "l2"})])
-def test_gemv_ab_times_head_against_the_working_tree(fmt, env):
+def test_gemv_ab_times_head_against_the_working_tree(fmt, env, build_dir):
     if shutil.which("git") is None or _git("rev-parse", "HEAD").returncode != 0:
         pytest.skip("not a git checkout")
     if "avx2" not in isa.available_isas():
         pytest.skip("the harness needs AVX2")
     result = subprocess.run(["bash", str(SCRIPT), "--isa", "avx2", fmt, "64", "256", "1", "5"],
                             capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "HM_AB_POOL_BYTES": "2000000", **env})
+                            env={**os.environ, "HM_AB_POOL_BYTES": "2000000", "HM_AB_BUILD_DIR": str(build_dir),
+                                 **env})
     assert result.returncode == 0, result.stderr
+    assert (build_dir / "stamp").exists()
     lines = result.stdout.splitlines()
     assert lines[0].startswith("base ") and "ISA avx2" in lines[0]
     assert lines[0].endswith(f"short rows prefetched to {env.get('HM_AB_SHORT_ROW_PREFETCH', 'l1')}, "
