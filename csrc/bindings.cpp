@@ -62,9 +62,9 @@ std::string shape_str(const A& a) {
 
 [[noreturn]] void fail(const std::string& what, const std::string& why) { throw std::invalid_argument(what + ": " + why); }
 
-// A CPU array of ndim 2 whose rows are contiguous, with one of `dtypes`.
+// A CPU array of one of `dtypes`.
 template <class A>
-void check_2d(const std::string& what, const A& a, std::initializer_list<DT> dtypes) {
+void check_cpu_dtype(const std::string& what, const A& a, std::initializer_list<DT> dtypes) {
   if (a.device_type() != nb::device::cpu::value) fail(what, "must be on the CPU");
   bool ok = false;
   std::string names;
@@ -73,6 +73,12 @@ void check_2d(const std::string& what, const A& a, std::initializer_list<DT> dty
     names += (names.empty() ? "" : " or ") + dtype_name(d);
   }
   if (!ok) fail(what, "dtype must be " + names + ", got " + dtype_name(a.dtype()));
+}
+
+// A CPU array of ndim 2 whose rows are contiguous, with one of `dtypes`.
+template <class A>
+void check_2d(const std::string& what, const A& a, std::initializer_list<DT> dtypes) {
+  check_cpu_dtype(what, a, dtypes);
   if (a.ndim() != 2) fail(what, "must be 2-D, got shape " + shape_str(a));
   if (a.shape(1) > 1 && a.stride(1) != 1) fail(what, "rows must be contiguous (stride 1 along the last dim)");
   if (a.shape(0) > 1 && a.stride(0) < static_cast<int64_t>(a.shape(1))) fail(what, "rows overlap (row stride < row length)");
@@ -382,14 +388,7 @@ struct PyHeads {
 template <class A>
 std::pair<int64_t, int64_t> check_heads_array(const std::string& what, const A& a, std::initializer_list<DT> dtypes,
                                               int64_t tokens, int64_t heads, int64_t dim) {
-  if (a.device_type() != nb::device::cpu::value) fail(what, "must be on the CPU");
-  bool ok = false;
-  std::string names;
-  for (DT d : dtypes) {
-    ok |= a.dtype() == d;
-    names += (names.empty() ? "" : " or ") + dtype_name(d);
-  }
-  if (!ok) fail(what, "dtype must be " + names + ", got " + dtype_name(a.dtype()));
+  check_cpu_dtype(what, a, dtypes);
   if (a.ndim() != 3) fail(what, "must be 3-D [tokens, heads, features], got shape " + shape_str(a));
   if ((tokens >= 0 && static_cast<int64_t>(a.shape(0)) != tokens) || static_cast<int64_t>(a.shape(1)) != heads ||
       static_cast<int64_t>(a.shape(2)) != dim)
