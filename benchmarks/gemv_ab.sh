@@ -13,7 +13,9 @@
 # default 128), HM_AB_SUBNORMALS=1 (fp8: a subnormal code about 1 in 5000, as in real checkpoints; default none),
 # HM_AB_THREADS=n (each side on n threads at once, each over its share of the matrices; default 1),
 # HM_AB_SHORT_ROW_PREFETCH=l1|l2 (where both sides' far prefetch puts short rows, as HYBRIDMOE_SHORT_ROW_PREFETCH
-# does in hybridmoe; default l1, a side whose headers predate the setting always l1), HM_AB_BUILD_DIR=DIR (build
+# does in hybridmoe; default l1, a side whose headers predate the setting always l1), HM_AB_LONG_ROW_PREFETCH=on|off
+# (whether both sides' one-row tiles of long rows prefetch the next row, as HYBRIDMOE_LONG_ROW_PREFETCH does; default
+# on, a side whose headers predate the setting always on), HM_AB_BUILD_DIR=DIR (build
 # into DIR and reuse the program there while the base, ISA, compiler and sources are the same; default a
 # temporary directory).
 set -euo pipefail
@@ -58,6 +60,10 @@ if [[ -n ${HM_AB_SHORT_ROW_PREFETCH:-} && $HM_AB_SHORT_ROW_PREFETCH != l1 && $HM
   echo "HM_AB_SHORT_ROW_PREFETCH must be l1 or l2, got $HM_AB_SHORT_ROW_PREFETCH" >&2
   exit 2
 fi
+if [[ -n ${HM_AB_LONG_ROW_PREFETCH:-} && $HM_AB_LONG_ROW_PREFETCH != on && $HM_AB_LONG_ROW_PREFETCH != off ]]; then
+  echo "HM_AB_LONG_ROW_PREFETCH must be on or off, got $HM_AB_LONG_ROW_PREFETCH" >&2
+  exit 2
+fi
 cxx=${CXX:-g++}
 if [[ -n ${HM_AB_BUILD_DIR:-} ]]; then
   tmp=$HM_AB_BUILD_DIR
@@ -82,5 +88,6 @@ if [[ ! -x $tmp/gemv_ab || $(cat "$tmp/stamp" 2>/dev/null) != "$stamp" ]]; then
   echo "$stamp" > "$tmp/stamp"
 fi
 echo "base $(git -C "$repo" rev-parse --short "$base") vs working tree, ISA $isa, short rows prefetched to" \
-  "${HM_AB_SHORT_ROW_PREFETCH:-l1}, ${HM_AB_THREADS:-1} thread(s)"
+  "${HM_AB_SHORT_ROW_PREFETCH:-l1}, long rows' next-row prefetch ${HM_AB_LONG_ROW_PREFETCH:-on}," \
+  "${HM_AB_THREADS:-1} thread(s)"
 "$tmp/gemv_ab" "$@"

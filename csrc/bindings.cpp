@@ -673,6 +673,13 @@ NB_MODULE(_native, mod) {
   mod.def("set_short_row_prefetch",
           [](const std::string& level) { set_short_row_prefetch(parse_prefetch_level(level)); }, "level"_a,
           "Set short_row_prefetch() ('l1' or 'l2') for the matrices computed from now on.");
+  mod.def("long_row_prefetch", [] { return std::string(long_row_prefetch() ? "on" : "off"); },
+          "Whether the GEMV's one-row tiles of long rows prefetch the next row: 'on' or 'off'.");
+  mod.def("default_long_row_prefetch", [] { return std::string(default_long_row_prefetch() ? "on" : "off"); },
+          "This CPU's default for long_row_prefetch() (without HYBRIDMOE_LONG_ROW_PREFETCH).");
+  mod.def("set_long_row_prefetch",
+          [](const std::string& state) { set_long_row_prefetch(parse_on_off(state, "long row prefetch")); },
+          "state"_a, "Set long_row_prefetch() ('on' or 'off') for the matrices computed from now on.");
   mod.def("configure_threads", [](int n, std::vector<int> cpus) {
     nb::gil_scoped_release release;
     configure_threads(n, cpus);

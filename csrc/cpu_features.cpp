@@ -173,8 +173,36 @@ PrefetchLevel short_row_prefetch() {
 
 void set_short_row_prefetch(PrefetchLevel level) { g_short_row_prefetch.store(level, std::memory_order_relaxed); }
 
+bool parse_on_off(const std::string& name, const std::string& what) {
+  if (name == "on") return true;
+  if (name == "off") return false;
+  throw std::invalid_argument(what + " must be on or off, got '" + name + "'");
+}
+
+bool default_long_row_prefetch() {
+  const CpuFeatures& f = cpu_features();
+  return !(f.amd && f.family == 0x19 && !f.avx512f);
+}
+
+bool long_row_prefetch() {
+  Toggle state = g_long_row_prefetch.load(std::memory_order_relaxed);
+  if (state == Toggle::Unresolved) {
+    const char* env = std::getenv("HYBRIDMOE_LONG_ROW_PREFETCH");
+    const bool on = env && *env ? parse_on_off(env, "HYBRIDMOE_LONG_ROW_PREFETCH") : default_long_row_prefetch();
+    Toggle unresolved = Toggle::Unresolved;  // a set_long_row_prefetch meanwhile wins
+    g_long_row_prefetch.compare_exchange_strong(unresolved, on ? Toggle::On : Toggle::Off, std::memory_order_relaxed);
+    state = g_long_row_prefetch.load(std::memory_order_relaxed);
+  }
+  return state != Toggle::Off;
+}
+
+void set_long_row_prefetch(bool on) {
+  g_long_row_prefetch.store(on ? Toggle::On : Toggle::Off, std::memory_order_relaxed);
+}
+
 const KernelTable* kernels_for(const std::string& name) {
   short_row_prefetch();
+  long_row_prefetch();
   const std::string why = isa_unavailable_reason(name);
   if (!why.empty()) throw std::invalid_argument("ISA '" + name + "' cannot run: " + why);
   if (name == "amx") return kernels_amx();

@@ -51,4 +51,13 @@ PrefetchLevel default_short_row_prefetch();
 PrefetchLevel parse_prefetch_level(const std::string& name, const std::string& what = "prefetch level");
 const char* prefetch_level_name(PrefetchLevel level);
 
+// Whether one-row tiles of long rows prefetch the next row (g_long_row_prefetch, hm_types.h), resolved like
+// short_row_prefetch: HYBRIDMOE_LONG_ROW_PREFETCH=on|off if set (std::invalid_argument for another value), else
+// this CPU's default: off on AMD Zen 3 (family 0x19 without AVX-512), where it slowed the read, on elsewhere.
+bool long_row_prefetch();
+void set_long_row_prefetch(bool on);
+bool default_long_row_prefetch();
+// "on" | "off", else std::invalid_argument("<what> must be on or off, got '<name>'")
+bool parse_on_off(const std::string& name, const std::string& what);
+
 }  // namespace hm

@@ -114,6 +114,15 @@ constexpr int64_t kAmxMinTokens = 8;
 enum class PrefetchLevel : int { Unresolved = 0, L1 = 1, L2 = 2 };
 inline std::atomic<PrefetchLevel> g_short_row_prefetch{PrefetchLevel::Unresolved};
 
+// Whether the float GEMV's one-row tiles of long rows (one token, rows of kRowStreamMinBytes and more,
+// kernels_simd_common.h) prefetch the next row into L2 as they read their own. The rows are back to back, so the
+// matrix is one sequential stream that the hardware prefetchers follow; the software prefetch on top helps where
+// they stop at each page (AMD Zen 4, with the Twice policy) and costs 5-17% of the read rate on AMD Zen 3, where
+// it is off (docs/kernels.md, "Prefetch"). Resolved like g_short_row_prefetch (long_row_prefetch:
+// HYBRIDMOE_LONG_ROW_PREFETCH, else this CPU's default); the kernels take anything but Off as On.
+enum class Toggle : int { Unresolved = 0, Off = 1, On = 2 };
+inline std::atomic<Toggle> g_long_row_prefetch{Toggle::Unresolved};
+
 // Tokens per expert from which path Auto leaves the GEMV path (for the amx table's bf16 and fp8 weights: for AMX
 // tiles).
 static inline int64_t gemm_min_tokens(WFormat f, bool bf16_dot = false, bool amx = false) {

@@ -58,7 +58,8 @@ HM_TILE_INLINE typename V::F decode(const uint8_t* p) {
 // (one-row tiles of long rows) prefetch each line again kPrefetchAgainBytes further ahead, so that every line is
 // asked for twice, first from about twice as far; with one prefetch a line one Zen 4 thread fell short of a plain
 // read (docs/kernels.md, "Prefetch").
-enum class NextRows { LinearL1, LinearL2, StreamsL2, LinearL2Twice, StreamsL2Twice };
+// None: no software prefetch (one-row tiles of long rows where g_long_row_prefetch is Off, hm_types.h).
+enum class NextRows { LinearL1, LinearL2, StreamsL2, LinearL2Twice, StreamsL2Twice, None };
 
 constexpr I64 kPrefetchL2MinBytes = 3 << 10;  // rows from which the next tile goes to L2 rather than L1
 constexpr I64 kRowStreamMinBytes = 4 << 10;   // rows from which the float GEMV prefetches R streams
@@ -90,8 +91,11 @@ inline void with_next_rows(I64 row_bytes, I64 tokens, I64 activation_bytes, bool
   const bool l2 = g_short_row_prefetch.load(std::memory_order_relaxed) == PrefetchLevel::L2;
   if constexpr (G == Gemv::Float) {
     if (row_bytes >= kRowStreamMinBytes) {
-      if constexpr (R == 1)
+      if constexpr (R == 1) {
+        if (g_long_row_prefetch.load(std::memory_order_relaxed) == Toggle::Off)
+          return fn(NextRowsTag<NextRows::None>{});
         if (l2) return fn(NextRowsTag<NextRows::StreamsL2Twice>{});
+      }
       return fn(NextRowsTag<NextRows::StreamsL2>{});
     }
   }
@@ -113,7 +117,9 @@ HM_TILE_INLINE void prefetch_next(const uint8_t* next, I64 stride, I64 pos) {
     _mm_prefetch(reinterpret_cast<const char*>(p), kHint);
     if constexpr (kTwice) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAgainBytes), kHint);
   };
-  if constexpr (P != NextRows::StreamsL2 && P != NextRows::StreamsL2Twice) {
+  if constexpr (P == NextRows::None) {
+    return;
+  } else if constexpr (P != NextRows::StreamsL2 && P != NextRows::StreamsL2Twice) {
     for (I64 off = 0; off < R * kStepBytes; off += 64) line(next + R * pos + off);
   } else if constexpr (kStepBytes >= 64) {
     for (int i = 0; i < R; ++i)

@@ -16,7 +16,8 @@
 // HM_AB_HUGE_PAGES=1 puts the matrices on transparent huge pages (2 MB-aligned, madvise), as the kernels' own
 // copies of the experts are. HM_AB_SUBNORMALS=1 (fp8) puts a subnormal code at about 1 in 5000 positions (the same
 // in every matrix, flagged as the loader's scan flags them), as real checkpoints and the bench's experts have.
-// HM_AB_SHORT_ROW_PREFETCH=l1|l2 (default l1) sets hm::g_short_row_prefetch for both sides (hm_types.h).
+// HM_AB_SHORT_ROW_PREFETCH=l1|l2 (default l1) sets hm::g_short_row_prefetch for both sides (hm_types.h), and
+// HM_AB_LONG_ROW_PREFETCH=on|off (default on) hm::g_long_row_prefetch (a side whose headers predate it: always on).
 #include <sys/mman.h>
 #include <immintrin.h>
 
@@ -89,6 +90,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   hm::g_short_row_prefetch.store(prefetch == "l2" ? hm::PrefetchLevel::L2 : hm::PrefetchLevel::L1);
+  const char* long_env = std::getenv("HM_AB_LONG_ROW_PREFETCH");
+  const std::string long_rows = long_env ? long_env : "on";
+  if (long_rows != "on" && long_rows != "off") {
+    std::fprintf(stderr, "HM_AB_LONG_ROW_PREFETCH must be on or off\n");
+    return 2;
+  }
+  hm::g_long_row_prefetch.store(long_rows == "off" ? hm::Toggle::Off : hm::Toggle::On);
   const long row_bytes = fmt == "bf16" ? 2 * K : fmt == "int4" ? K / 2 : K;
   const long copies = std::max(2 * threads, pool / (N * row_bytes));
   const char* huge_env = std::getenv("HM_AB_HUGE_PAGES");

@@ -29,6 +29,7 @@ def test_bench_writes_the_report(tmp_path, monkeypatch, capsys):
     assert report["memory_bandwidth_gbs"] > 0 and report["threads"] >= 1 and report["isa"]
     assert report["idle_spin_us"] == isa.idle_spin_us()
     assert report["short_row_prefetch"] == isa.short_row_prefetch()
+    assert report["long_row_prefetch"] == isa.long_row_prefetch()
     assert report["expert_memory"] == bench.EXPERT_MEMORY[numa.topology()["copy_shards"]]
     assert [(r["format"], r["tokens"]) for r in report["results"]] == [
         (f, t) for f in ("fp8", "int4", "bf16") for t in (1, 9)]

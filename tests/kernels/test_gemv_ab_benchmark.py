@@ -2,7 +2,8 @@
 as the base and csrc/ unchanged, the two sides must compute the same outputs bit for bit, with the matrices on
 4 KB or (HM_AB_HUGE_PAGES=1) huge pages, fp8 with subnormal codes (HM_AB_SUBNORMALS=1), and for int formats with
 scale groups of 128 or (HM_AB_INT_GROUP=32) 32, on one thread or (HM_AB_THREADS=2) two at once, with short rows
-prefetched to L1 or (HM_AB_SHORT_ROW_PREFETCH=l2) L2."""
+prefetched to L1 or (HM_AB_SHORT_ROW_PREFETCH=l2) L2, and long rows with and (HM_AB_LONG_ROW_PREFETCH=off) without
+the next row's prefetch."""
 
 from __future__ import annotations
 
@@ -30,16 +31,17 @@ def build_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt,env", [("fp8", {"HM_AB_HUGE_PAGES": "0"}), ("fp8", {"HM_AB_HUGE_PAGES": "1"}),
-                                     ("fp8", {"HM_AB_SUBNORMALS": "1"}), ("int4", {"HM_AB_INT_GROUP": "32"}),
-                                     ("int4", {"HM_AB_THREADS": "2"}),
-                                     ("fp8", {"HM_AB_SHORT_ROW_PREFETCH": "l2"})])
-def test_gemv_ab_times_head_against_the_working_tree(fmt, env, build_dir):
+@pytest.mark.parametrize("fmt,cols,env", [
+    ("fp8", 256, {"HM_AB_HUGE_PAGES": "0"}), ("fp8", 256, {"HM_AB_HUGE_PAGES": "1"}),
+    ("fp8", 256, {"HM_AB_SUBNORMALS": "1"}), ("int4", 256, {"HM_AB_INT_GROUP": "32"}),
+    ("int4", 256, {"HM_AB_THREADS": "2"}), ("fp8", 256, {"HM_AB_SHORT_ROW_PREFETCH": "l2"}),
+    ("bf16", 2048, {"HM_AB_LONG_ROW_PREFETCH": "off"})])
+def test_gemv_ab_times_head_against_the_working_tree(fmt, cols, env, build_dir):
     if shutil.which("git") is None or _git("rev-parse", "HEAD").returncode != 0:
         pytest.skip("not a git checkout")
     if "avx2" not in isa.available_isas():
         pytest.skip("the harness needs AVX2")
-    result = subprocess.run(["bash", str(SCRIPT), "--isa", "avx2", fmt, "64", "256", "1", "5"],
+    result = subprocess.run(["bash", str(SCRIPT), "--isa", "avx2", fmt, "64", str(cols), "1", "5"],
                             capture_output=True, text=True, timeout=600,
                             env={**os.environ, "HM_AB_POOL_BYTES": "2000000", "HM_AB_BUILD_DIR": str(build_dir),
                                  **env})
@@ -47,10 +49,11 @@ def test_gemv_ab_times_head_against_the_working_tree(fmt, env, build_dir):
     assert (build_dir / "stamp").exists()
     lines = result.stdout.splitlines()
     assert lines[0].startswith("base ") and "ISA avx2" in lines[0]
-    assert lines[0].endswith(f"short rows prefetched to {env.get('HM_AB_SHORT_ROW_PREFETCH', 'l1')}, "
+    assert lines[0].endswith(f"short rows prefetched to {env.get('HM_AB_SHORT_ROW_PREFETCH', 'l1')}, long rows' "
+                             f"next-row prefetch {env.get('HM_AB_LONG_ROW_PREFETCH', 'on')}, "
                              f"{env.get('HM_AB_THREADS', '1')} thread(s)")
     rows = [line.split() for line in lines[2:]]
-    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [(fmt, "64", "256", "1"), (fmt, "64", "256", "5")]
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [(fmt, "64", str(cols), "1"), (fmt, "64", str(cols), "5")]
     for r in rows:
         assert float(r[4]) > 0 and float(r[5]) > 0 and r[6].endswith("x") and float(r[7]) > 0
     if not _git("status", "--porcelain", "--", "csrc").stdout.strip():  # HEAD's headers are the working tree's
@@ -71,3 +74,6 @@ def test_gemv_ab_rejects_bad_arguments():
     result = subprocess.run(["bash", str(SCRIPT), "fp8", "64", "256", "1"], capture_output=True, text=True,
                             timeout=60, env={**os.environ, "HM_AB_SHORT_ROW_PREFETCH": "l3"})
     assert result.returncode == 2 and "HM_AB_SHORT_ROW_PREFETCH must be l1 or l2, got l3" in result.stderr
+    result = subprocess.run(["bash", str(SCRIPT), "bf16", "64", "2048", "1"], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "HM_AB_LONG_ROW_PREFETCH": "no"})
+    assert result.returncode == 2 and "HM_AB_LONG_ROW_PREFETCH must be on or off, got no" in result.stderr

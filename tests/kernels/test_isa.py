@@ -120,6 +120,30 @@ def test_short_row_prefetch_defaults_by_cpu_and_can_be_set():
     assert isa.short_row_prefetch() == before
 
 
+def test_long_row_prefetch_defaults_by_cpu_and_can_be_set():
+    """One-row tiles of long rows prefetch the next row except on AMD Zen 3 (family 0x19 without AVX-512),
+    unless HYBRIDMOE_LONG_ROW_PREFETCH or set_long_row_prefetch says otherwise; other values are clear errors."""
+    features = isa.cpu_features()
+    zen3 = features["amd"] and isa.cpu_family() == 0x19 and not features["avx512f"]
+    assert isa.default_long_row_prefetch() == ("off" if zen3 else "on")
+    code = "from hybridmoe.kernels import isa; isa.active_isa(); print(isa.long_row_prefetch())"
+    result = _run(code, HYBRIDMOE_LONG_ROW_PREFETCH="")
+    assert result.returncode == 0 and result.stdout.strip() == isa.default_long_row_prefetch(), result.stderr
+    for state in ("on", "off"):
+        result = _run(code, HYBRIDMOE_LONG_ROW_PREFETCH=state)
+        assert result.returncode == 0 and result.stdout.strip() == state, result.stderr
+    before = isa.long_row_prefetch()
+    other = "on" if before == "off" else "off"
+    with isa.use_long_row_prefetch(other):
+        assert isa.long_row_prefetch() == other
+    assert isa.long_row_prefetch() == before
+    with pytest.raises(ValueError, match="long row prefetch must be on or off, got 'yes'"):
+        isa.set_long_row_prefetch("yes")
+    result = _run("from hybridmoe.kernels import isa; isa.active_isa()", HYBRIDMOE_LONG_ROW_PREFETCH="1")
+    assert result.returncode != 0
+    assert "HYBRIDMOE_LONG_ROW_PREFETCH must be on or off, got '1'" in result.stderr
+
+
 def test_bad_short_row_prefetch_values_are_clear_errors():
     with pytest.raises(ValueError, match="prefetch level must be l1 or l2, got 'L3'"):
         isa.set_short_row_prefetch("L3")
@@ -128,11 +152,14 @@ def test_bad_short_row_prefetch_values_are_clear_errors():
     assert "HYBRIDMOE_SHORT_ROW_PREFETCH must be l1 or l2, got 'l3'" in result.stderr
 
 
-def test_info_prints_the_short_row_prefetch_level():
+def test_info_prints_the_prefetch_settings():
     result = subprocess.run([sys.executable, "-m", "hybridmoe.cli", "info"], capture_output=True, text=True,
-                            timeout=120, env={**os.environ, "HYBRIDMOE_SHORT_ROW_PREFETCH": "l1"})
+                            timeout=120, env={**os.environ, "HYBRIDMOE_SHORT_ROW_PREFETCH": "l1",
+                                              "HYBRIDMOE_LONG_ROW_PREFETCH": "off"})
     assert result.returncode == 0, result.stderr
     default = isa.default_short_row_prefetch().upper()
     assert (f"short rows' far prefetch (one token) into L1 (this CPU's default {default}; "
             "HYBRIDMOE_SHORT_ROW_PREFETCH=l1)") in result.stdout
     assert f"family {isa.cpu_family():#x}" in result.stdout
+    assert (f"long rows' next-row prefetch (one token) off (this CPU's default {isa.default_long_row_prefetch()}; "
+            "HYBRIDMOE_LONG_ROW_PREFETCH=off)") in result.stdout

@@ -329,3 +329,21 @@ def test_auto_path_switches_to_gemm_at_the_format_threshold(each_isa, fmt):
     for tokens, path in [(threshold - 1, "gemv"), (threshold, "gemm")]:
         x = torch.randn(tokens, cols, generator=gen)
         assert torch.equal(matmul(m, x, "auto"), matmul(m, x, path)), f"{tokens} tokens"
+
+
+@pytest.mark.parametrize("fmt,dtype,cols", [("f32", torch.float32, 1024), ("bf16", torch.bfloat16, 2304),
+                                            ("f16", torch.float16, 4096)])
+def test_long_row_prefetch_moves_no_result(each_isa, fmt, dtype, cols):
+    """Whether one-row tiles of long rows (one token, rows of 4 KB and more) prefetch the next row
+    (isa.long_row_prefetch: off on AMD Zen 3, on elsewhere) changes which hints the tiles issue and nothing else:
+    both settings give the same output bit for bit, matching float64."""
+    gen = torch.Generator().manual_seed(seed(fmt, each_isa, "long rows"))
+    w = torch.randn(96, cols, generator=gen).to(dtype)
+    m = kernel_matrix(fmt, w)
+    x = torch.randn(1, cols, generator=gen)
+    outs = {}
+    for state in ("on", "off"):
+        with isa.use_long_row_prefetch(state):
+            outs[state] = matmul(m, x)
+    assert torch.equal(outs["on"], outs["off"])
+    _check(outs["on"], x, w.double(), bf16=_bf16(m, "auto", 1, fmt, w))

@@ -67,6 +67,9 @@ def run(args) -> int:
     print(f"short rows' far prefetch (one token) into {isa.short_row_prefetch().upper()} (this CPU's default "
           f"{isa.default_short_row_prefetch().upper()}; HYBRIDMOE_SHORT_ROW_PREFETCH="
           f"{os.environ.get('HYBRIDMOE_SHORT_ROW_PREFETCH', 'unset')})")
+    print(f"long rows' next-row prefetch (one token) {isa.long_row_prefetch()} (this CPU's default "
+          f"{isa.default_long_row_prefetch()}; HYBRIDMOE_LONG_ROW_PREFETCH="
+          f"{os.environ.get('HYBRIDMOE_LONG_ROW_PREFETCH', 'unset')})")
     cpus = isa.thread_cpus()
     print(f"threads: {isa.num_threads()} (HYBRIDMOE_NUM_THREADS={os.environ.get('HYBRIDMOE_NUM_THREADS', 'unset')}; "
           f"{os.cpu_count()} CPUs), pinned: {cpus if cpus else 'no'}; idle workers spin {isa.idle_spin_us()} us "

@@ -15,7 +15,9 @@ accelerator's work between two MoE layers, the workers need no wake-up and their
 worker holds its CPU from any other work, such as torch's where the CPU stands in for the accelerator.
 HYBRIDMOE_SHORT_ROW_PREFETCH=l1|l2 sets where the GEMV's prefetch that reaches ahead puts rows under 3 KB at one
 token (short_row_prefetch; default by CPU: l2 on AMD Zen 4, whose L1 miss buffers the prefetch into L1 held up,
-l1 elsewhere).
+l1 elsewhere). HYBRIDMOE_LONG_ROW_PREFETCH=on|off sets whether the GEMV's one-row tiles of rows of 4 KB and more (one
+token) prefetch the next row as they read their own (long_row_prefetch; default by CPU: off on AMD Zen 3, where the
+hardware prefetchers alone read faster, on elsewhere).
 """
 
 from __future__ import annotations
@@ -156,6 +158,27 @@ def set_short_row_prefetch(level: str) -> None:
 def use_short_row_prefetch(level: str) -> AbstractContextManager[None]:
     """short_row_prefetch() is `level` within the block, then back to what it was."""
     return _set_within(short_row_prefetch, set_short_row_prefetch, level)
+
+
+def long_row_prefetch() -> str:
+    """Whether the GEMV's one-row tiles of long rows (one token, rows of 4 KB and more: attention projections,
+    the LM head) prefetch the next row into L2 as they read their own: "on" or "off" (docs/kernels.md, "Prefetch")."""
+    return str(_native.long_row_prefetch())
+
+
+def default_long_row_prefetch() -> str:
+    """This CPU's long_row_prefetch() without HYBRIDMOE_LONG_ROW_PREFETCH: "off" on AMD Zen 3, else "on"."""
+    return str(_native.default_long_row_prefetch())
+
+
+def set_long_row_prefetch(state: str) -> None:
+    """Set long_row_prefetch() ("on" or "off", else ValueError) for the matrices computed from now on."""
+    _native.set_long_row_prefetch(str(state))
+
+
+def use_long_row_prefetch(state: str) -> AbstractContextManager[None]:
+    """long_row_prefetch() is `state` within the block, then back to what it was."""
+    return _set_within(long_row_prefetch, set_long_row_prefetch, state)
 
 
 def pool_sleeps() -> int:
