@@ -12,6 +12,7 @@ from hybridmoe.disagg.cpus import parse_cpu_list
     (["serve", "--kv-budget", "0.5"], "--kv-budget sets up --pd's workers"),
     (["serve", "--pd-decode-cpus", "0"], "--pd-decode-cpus sets up --pd's workers"),
     (["serve", "--kv-importance", "position"], "--kv-importance sets up --pd's workers"),
+    (["serve", "--no-kv-streaming"], "--no-kv-streaming sets up --pd's workers"),
     (["serve", "--pd", "--kv-budget", "0.01"], "kv budget must be in"),
     (["serve", "--pd", "--pd-prefill-cpus", "100000"], "prefill_cpus: CPUs [100000] are not among"),
     (["serve", "--pd", "--pd-decode-cpus", "3-1"], "expected numbers and ranges"),

@@ -71,9 +71,10 @@ def pack(pre: LLMEngine, req_id: str, slots, policy: handoff.KVPolicy, name: str
 
 
 def payload_bytes(kv: handoff.PackedKV) -> bytes:
+    """The payload in kv's segment (after its progress word)."""
     segment = Segment.attach(kv.segment)
     try:
-        return bytes(segment.buf)
+        return bytes(segment.buf[handoff.PROGRESS.size:])
     finally:
         segment.close()
 

@@ -143,8 +143,8 @@ def test_payload_of_another_model_or_version_is_refused_and_removed(tiny_model_d
     assert dec.stats().kv_blocks_used == 0 and not dec.has_unfinished_requests()
 
     first, kv, gen = prefill_and_pack(pre, PROMPTS[1], params, "v")
-    with open(shm_dir() / kv.segment, "r+b") as f:  # the prefix: magic, u16 version
-        f.seek(4)
+    with open(shm_dir() / kv.segment, "r+b") as f:  # after the progress word, the prefix: magic, u16 version
+        f.seek(handoff.PROGRESS.size + 4)
         f.write((99).to_bytes(2, "little"))
     with pytest.raises(PayloadError, match="format version 99"):
         adopt(dec, PROMPTS[1], params, "v", first, kv, gen)

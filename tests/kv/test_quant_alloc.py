@@ -31,6 +31,18 @@ def test_round_trip_error_at_most_half_a_step(layout, bits):
     assert back[0].abs().max() == 0
 
 
+def test_quantising_inside_and_outside_inference_mode_alike():
+    """The reused buffers are per inference mode: the PD prefill worker packs inside the forward's
+    inference_mode, other callers outside it, in one process."""
+    rows = torch.randn(6, 64)
+    with torch.inference_mode():
+        inside = quant.quantize(rows, (64,), 8)
+    outside = quant.quantize(rows, (64,), 8)
+    assert all(torch.equal(a, b) for a, b in zip(inside, outside))
+    gathered = torch.index_select(rows, 0, torch.tensor([1, 3]), out=quant.scratch("t", (2, 64), rows.dtype))
+    assert torch.equal(gathered, rows[[1, 3]])
+
+
 def test_int4_packs_two_codes_per_byte():
     rows = torch.tensor([[7.0, -7.0, 1.0, 0.0]])
     codes, scales = quant.quantize(rows, (4,), 4)

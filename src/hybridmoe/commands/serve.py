@@ -37,7 +37,8 @@ def register(subparsers) -> None:
     group = parser.add_argument_group("prefill/decode disaggregation (docs/serving.md)")
     group.add_argument("--pd", action="store_true",
                        help="prefill and decode in two worker processes on this machine, sharing the weights' pages; "
-                            "a prompt's KV moves to the decode worker once its first token is sampled")
+                            "a prompt's KV moves to the decode worker, layer by layer as the prefill computes it, "
+                            "and the request with it once its first token is sampled")
     group.add_argument("--kv-budget", type=float, default=1.0,
                        help="with --pd: the KV handoff's SpectrumKV budget, a fraction of the prompt KV's 16-bit "
                             "bytes: 1.0 (full precision, default) down to 0.05. Below 1 the less important tokens "
@@ -48,6 +49,10 @@ def register(subparsers) -> None:
                        help="with --pd and --kv-budget below 1: what ranks the prompt's tokens: attention (the "
                             "attention mass from the prompt's last 32 queries, computed during the prefill; "
                             "default) or position (recency only, the paper's baseline)")
+    group.add_argument("--no-kv-streaming", dest="kv_streaming", action="store_false",
+                       help="with --pd: pack a prompt's KV after its prefill rather than sending each layer as the "
+                            "prefill computes it (streaming needs the tiers before the prefill: with --kv-budget below "
+                            "1 and attention importance the KV is packed after it anyway)")
     group.add_argument("--pd-prefill-cpus", default=None, metavar="LIST",
                        help="with --pd: the CPUs the prefill worker runs on, e.g. 0-3 (default: all)")
     group.add_argument("--pd-decode-cpus", default=None, metavar="LIST",
@@ -71,11 +76,13 @@ def run(args) -> int:
         from hybridmoe.disagg.engine import PDEngine
 
         engine = PDEngine(args.model, config, kv_budget=args.kv_budget, prefill_cpus=args.pd_prefill_cpus,
-                          decode_cpus=args.pd_decode_cpus, kv_importance=args.kv_importance)
+                          decode_cpus=args.pd_decode_cpus, kv_importance=args.kv_importance,
+                          kv_streaming=args.kv_streaming)
     else:
         for flag, value, default in (("--kv-budget", args.kv_budget, 1.0), ("--kv-importance", args.kv_importance,
                                      "attention"), ("--pd-prefill-cpus", args.pd_prefill_cpus, None),
-                                     ("--pd-decode-cpus", args.pd_decode_cpus, None)):
+                                     ("--pd-decode-cpus", args.pd_decode_cpus, None),
+                                     ("--no-kv-streaming", args.kv_streaming, True)):
             if value != default:
                 raise ValueError(f"{flag} sets up --pd's workers; without --pd there are none")
         engine = AsyncLLMEngine(args.model, config)

@@ -5,8 +5,10 @@
         print(out.new_text, end="")
 
 Two worker processes (disagg/worker.py), spawned, each with its own LLMEngine over the same checkpoint: the
-prefill worker takes new prompts; when a prompt's first token is sampled, its KV goes to the decode worker as a
-SpectrumKV payload in a shared-memory segment and the request continues there. The caller sees one stream: the
+prefill worker takes new prompts; their KV goes to the decode worker as a SpectrumKV payload in a shared-memory
+segment (streamed layer by layer while the prefill computes it, where the tiers are known before: a `KVStream`
+passed on at the first layer), and once a prompt's first token is sampled (its `Handoff`) the request continues
+there. The caller sees one stream: the
 first output comes from the prefill worker, the rest from the decode worker (with the first's arrival and
 first-token times, and its prompt logprobs on the last output).
 
@@ -60,6 +62,7 @@ class _Stream:
     last: RequestOutput | None = None  # the latest output delivered
     first: RequestOutput | None = None  # the prefill worker's output with the first token
     aborted: bool = False  # abort() was asked: a handoff still on its way ends it instead of moving it
+    streamed: bool = False  # its KV streams to the decode worker during its prefill (KVStream)
 
 
 @dataclass
@@ -78,7 +81,7 @@ class PDEngine:
     def __init__(self, model: str | Path, config: EngineConfig | None = None, kv_budget: float = 1.0,
                  on_request_finished: Callable[[RequestOutput], None] | None = None,
                  prefill_cpus: list[int] | str | None = None, decode_cpus: list[int] | str | None = None,
-                 kv_importance: str = "attention"):
+                 kv_importance: str = "attention", kv_streaming: bool = True):
         """model, config: as LLMEngine takes them (each worker builds its own engine with this config).
         kv_budget: the SpectrumKV budget of the handoff (1.0: every token at full precision, the same tokens as
         one engine; 0.5: INT8 for the less important half; lower: INT4 where the model's cached probe verdict
@@ -86,11 +89,14 @@ class PDEngine:
         kv_importance: what ranks the prompt's tokens below budget 1: "attention" (attention importance, computed
         during the prefill) or "position" (position only, the paper's baseline).
         prefill_cpus, decode_cpus: the CPUs each worker runs on (a list, or text like "0-3,8"; None: all of this
-        process's), see disagg/cpus.py."""
+        process's), see disagg/cpus.py.
+        kv_streaming: the prompt's KV goes to the decode worker layer by layer while the prefill computes it (where
+        the tiers are known before the prefill: budget 1, or position importance); False: packed after it."""
         self.model = model
         self.config = config or EngineConfig()
         self.kv_budget = check_budget(kv_budget)
         self.kv_importance = check_importance(kv_importance)
+        self.kv_streaming = bool(kv_streaming)
         self.cpus = {PREFILL: check_cpus(prefill_cpus, "prefill_cpus"), DECODE: check_cpus(decode_cpus, "decode_cpus")}
         self.on_request_finished = on_request_finished
         self.load_error: BaseException | None = None
@@ -104,6 +110,7 @@ class PDEngine:
         self._ids = itertools.count()
         self._closed = False
         self._watchers: list[threading.Thread] = []
+        self.kv_streams = 0  # requests whose KV streamed to the decode worker during their prefill
 
     # ---- life cycle ------------------------------------------------------------------------------------
 
@@ -291,7 +298,7 @@ class PDEngine:
             theirs.close()
         conn = Connection(ours.detach())
         conn.send(m.Init(role, str(self._model_dir), self.config, self.prefix, self.kv_budget, self.cpus[role],
-                         self.kv_importance))
+                         self.kv_importance, self.kv_streaming))
         return process, conn
 
     def _read(self, role: str, conn) -> None:
@@ -304,6 +311,8 @@ class PDEngine:
                 self._slots[role].stats = message.stats
                 for out in message.outputs:
                     self._deliver(role, out)
+            elif isinstance(message, m.KVStream):
+                self._stream_kv(message)
             elif isinstance(message, m.Handoff):
                 self._forward(message)
             elif isinstance(message, m.Failed):
@@ -330,9 +339,27 @@ class PDEngine:
             stream.last = out
             if out.finished:
                 del self._streams[out.req_id]
+                self._drop_stream_locked(out.req_id, stream)
         if out.finished and self.on_request_finished is not None:
             self.on_request_finished(out)
         self._post(stream, out)
+
+    def _stream_kv(self, message: m.KVStream) -> None:
+        """A prompt's KV starts streaming: the decode worker reserves its blocks and unpacks the layers as they
+        come."""
+        with self._lock:
+            stream = self._streams.get(message.req_id)
+            if stream is not None and stream.phase == PREFILL and not stream.aborted:
+                stream.segment, stream.streamed = message.kv.segment, True
+                self.kv_streams += 1
+                self._send_locked(self._slots[DECODE], message)
+                return
+        remove(message.kv.segment)  # nobody waits for it (the writer keeps its mapping)
+
+    def _drop_stream_locked(self, req_id: str, stream: _Stream) -> None:
+        """A request ended before its handoff: the decode worker gives up the KV streaming to it."""
+        if stream.streamed and stream.phase == PREFILL:
+            self._send_locked(self._slots[DECODE], m.Abort(req_id))
 
     def _forward(self, handoff: m.Handoff) -> None:
         """A prefilled request on its way to the decode worker."""
@@ -340,6 +367,7 @@ class PDEngine:
             stream = self._streams.get(handoff.req_id)
             if stream is not None and stream.aborted:  # aborted while its handoff was on its way here
                 del self._streams[handoff.req_id]
+                self._drop_stream_locked(handoff.req_id, stream)
             elif stream is not None and stream.phase == PREFILL:
                 stream.phase, stream.segment = DECODE, handoff.kv.segment
                 adopt = m.Adopt(*(getattr(handoff, f.name) for f in dataclasses.fields(m.Adopt)))
@@ -365,6 +393,8 @@ class PDEngine:
     def _end_with_error(self, req_id: str, message: str) -> None:
         with self._lock:
             stream = self._streams.pop(req_id, None)
+            if stream is not None:
+                self._drop_stream_locked(req_id, stream)
         if stream is None:
             return
         if stream.segment is not None:

@@ -12,8 +12,14 @@ them tiers from the ladder: FULL/INT8, with INT4 only when the model's cached IN
 receiver masks the dropped positions (`AdoptedKV.dropped`, the engine's per-request mask of dropped keys) and
 keeps their positions.
 
-The sender writes the head and each layer's segment straight into a segment of the payload's size; the receiver
-validates the head (model, layout, version: `PayloadError` otherwise), then unpacks layer by layer into its cache.
+The shared-memory segment holds a progress word (the number of layers written so far, 8 bytes), then the
+payload. The sender (`LayerWriter`) writes the head, then each layer's segment straight into it, raising the
+progress word after each; the receiver (`LayerReader`) validates the head (model, layout, version: `PayloadError`
+otherwise), then unpacks each layer the progress word says is there into its cache. So a prompt's KV can stream:
+the prefill worker writes layer i as soon as its forward has computed it (when the tiers are known before the
+forward: budget 1, or position importance) and the decode worker unpacks the layers that are in between its own
+steps, while the prefill computes the rest. On x86 stores become visible to other cores in program order, so a
+reader that sees the progress word at n also sees the first n layers' bytes.
 
 Legend: n prompt tokens, W row width.
 """
@@ -21,6 +27,7 @@ Legend: n prompt tokens, W row width.
 from __future__ import annotations
 
 import math
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +82,12 @@ class KVPolicy:
         """Whether the prefill must compute attention importance (only a budget below 1 ranks tokens)."""
         return self.budget < 1.0 and self.importance == "attention"
 
+    @property
+    def streams(self) -> bool:
+        """Whether the tiers are known before the prefill's forward, so that layers can be sent as it computes them
+        (attention importance needs every layer's attention first)."""
+        return not self.wants_attention_importance
+
 
 def kv_policy(model_dir: str | Path, budget: float, importance: str = "attention",
               cache_dir: str | Path | None = None, log=None) -> KVPolicy:
@@ -105,6 +118,9 @@ def slots_of(block_table: list[int], num_tokens: int, block_size: int) -> torch.
     return torch.tensor(block_table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
 
 
+PROGRESS = struct.Struct("<Q")  # a segment's first bytes: the payload's layers written so far
+
+
 @dataclass
 class PackedKV:
     segment: str  # the shared-memory segment's name (the receiver unlinks it)
@@ -133,57 +149,120 @@ def pack_into_segment(name: str, caches: list[torch.Tensor], layout: KVLayout, s
     policy: the budget, ranking and ladder (default: `budget` with position importance over FULL/INT8, the
     policy without a probe verdict); importance [n]: the prompt's attention importance, for policy.importance
     "attention"."""
-    n = slots.shape[0]
     policy = policy or KVPolicy(check_budget(budget), "position")
     with single_threaded():
-        return _pack(name, caches, layout, slots, model, policy, choose_tiers(n, policy, importance))
+        writer = LayerWriter(name, layout, choose_tiers(slots.shape[0], policy, importance), model=model,
+                             full_dtype=caches[0].dtype, policy=policy)
+        try:
+            for i, cache in enumerate(caches):
+                writer.write_layer(i, cache, slots)
+        except BaseException:
+            writer.discard()
+            raise
+        return writer.close()
 
 
-def _pack(name: str, caches: list[torch.Tensor], layout: KVLayout, slots: torch.Tensor, model: str,
-          policy: KVPolicy, tiers: torch.Tensor) -> PackedKV:
-    n = tiers.shape[0]
-    writer = PayloadWriter(layout, tiers, model=model, full_dtype=DTYPE_NAMES[caches[0].dtype],
-                           ladder=policy.ladder, int4_verdict=policy.int4_verdict, budget=policy.budget)
-    segment = Segment.create(name, writer.total_bytes)
-    try:
-        head = writer.head()
-        segment.buf[: len(head)] = head
-        offset = len(head)
-        for i, cache in enumerate(caches):  # each layer's segment, written in place
-            data = writer.pack_layer(i, layout.rows_from_cache(cache, slots))
-            segment.buf[offset: offset + len(data)] = data
-            offset += len(data)
-        assert offset == writer.total_bytes, (offset, writer.total_bytes)
-    except BaseException:
-        segment.close()
-        segment.unlink()
-        raise
-    segment.close()
-    return PackedKV(name, n, writer.total_bytes, policy.budget, tuple(writer.header["tier_counts"]))
+class LayerWriter:
+    """A payload written into a new segment `name` layer by layer: the head at once, then `write_layer(i, cache,
+    slots)` for i = 0, 1, ... (each raises the segment's progress word), then `close()` (or `discard()`: the
+    segment is removed)."""
+
+    def __init__(self, name: str, layout: KVLayout, tiers: torch.Tensor, *, model: str, full_dtype: torch.dtype,
+                 policy: KVPolicy):
+        self.layout, self.policy = layout, policy
+        self.writer = PayloadWriter(layout, tiers, model=model, full_dtype=DTYPE_NAMES[full_dtype],
+                                    ladder=policy.ladder, int4_verdict=policy.int4_verdict, budget=policy.budget)
+        self.segment = Segment.create(name, PROGRESS.size + self.writer.total_bytes)
+        head = self.writer.head()
+        self.offset = PROGRESS.size + len(head)
+        self.segment.buf[PROGRESS.size: self.offset] = head
+        self.layers = 0
+
+    @property
+    def packed(self) -> PackedKV:
+        """What the receiver is told of the payload."""
+        return PackedKV(self.segment.name, int(self.writer.tiers.shape[0]), self.writer.total_bytes,
+                        self.policy.budget, tuple(self.writer.header["tier_counts"]))
+
+    def write_layer(self, layer: int, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """Pack layer `layer` (the next one) of cache at slots [n] and publish it."""
+        if layer != self.layers:
+            raise ValueError(f"layer {layer} written after {self.layers} of {self.layout.num_layers}")
+        data = self.writer.pack_layer(layer, self.layout.rows_from_cache(cache, slots))
+        self.segment.buf[self.offset: self.offset + len(data)] = data
+        self.offset += len(data)
+        self.layers += 1
+        PROGRESS.pack_into(self.segment.buf, 0, self.layers)  # after the layer's bytes (see the module docstring)
+
+    def close(self) -> PackedKV:
+        """Unmap the segment once every layer is written (the receiver unlinks it)."""
+        if self.layers != self.layout.num_layers:
+            raise ValueError(f"{self.layers} of {self.layout.num_layers} layers written")
+        assert self.offset == PROGRESS.size + self.writer.total_bytes, (self.offset, self.writer.total_bytes)
+        packed = self.packed
+        self.segment.close()
+        return packed
+
+    def discard(self) -> None:
+        self.segment.close()
+        self.segment.unlink()
+
+
+class LayerReader:
+    """The receiving side of a segment: validates the payload's head at once (PayloadError for a payload of another
+    model, layout or format version, or of another token count than slots), then `unpack_ready(caches)` writes the
+    layers published since the last call into each layer's cache at slots; `close()` unmaps and unlinks the
+    segment (whatever happened)."""
+
+    def __init__(self, name: str, layout: KVLayout, slots: torch.Tensor, *, model: str):
+        self.segment = Segment.attach(name)
+        self.slots = slots
+        self.done = 0
+        try:
+            self.view = self.segment.buf[PROGRESS.size:]
+            self.reader = PayloadReader(self.view, model=model, layout=layout, capacity=len(self.view))
+            if self.reader.num_tokens != slots.shape[0]:
+                raise PayloadError(f"payload holds {self.reader.num_tokens} tokens, the request has {slots.shape[0]}")
+            if self.reader.total_bytes != len(self.view):
+                raise PayloadError(f"payload of {self.reader.total_bytes} bytes in a segment of {len(self.view)}")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def complete(self) -> bool:
+        return self.done == self.reader.layout.num_layers
+
+    def unpack_ready(self, caches: list[torch.Tensor]) -> bool:
+        """Unpack the layers published since the last call; True once every layer is in."""
+        published = min(PROGRESS.unpack_from(self.segment.buf, 0)[0], len(caches))
+        with single_threaded():
+            for i in range(self.done, published):
+                lo, hi = self.reader.segment_range(i)
+                self.reader.layout.rows_to_cache(caches[i], self.slots,
+                                                 self.reader.unpack_layer(i, self.view[lo:hi], caches[i].dtype))
+                self.done = i + 1
+        return self.complete
+
+    def close(self) -> None:
+        view = getattr(self, "view", None)
+        if view is not None:
+            view.release()
+        self.segment.close()
+        self.segment.unlink()
 
 
 def unpack_from_segment(name: str, caches: list[torch.Tensor], layout: KVLayout, slots: torch.Tensor, *,
                         model: str) -> PayloadReader:
-    """Write the payload in segment `name` into every layer's cache at slots, layer by layer; the segment is
-    unlinked whatever happens. Raises PayloadError for a payload of another model, layout or format version, or
-    of another token count than slots."""
-    segment = Segment.attach(name)
-    view = segment.buf
+    """Write the complete payload in segment `name` into every layer's cache at slots, layer by layer; the segment
+    is unlinked whatever happens. Raises PayloadError as LayerReader does, and when layers are missing."""
+    reader = LayerReader(name, layout, slots, model=model)
     try:
-        with single_threaded():
-            reader = PayloadReader(view, model=model, layout=layout, capacity=segment.size)
-            if reader.num_tokens != slots.shape[0]:
-                raise PayloadError(f"payload holds {reader.num_tokens} tokens, the request has {slots.shape[0]}")
-            if reader.total_bytes != segment.size:
-                raise PayloadError(f"payload of {reader.total_bytes} bytes in a segment of {segment.size}")
-            for i, cache in enumerate(caches):
-                lo, hi = reader.segment_range(i)
-                layout.rows_to_cache(cache, slots, reader.unpack_layer(i, view[lo:hi], cache.dtype))
-        return reader
+        if not reader.unpack_ready(caches):
+            raise PayloadError(f"incomplete payload: {reader.done} of {len(caches)} layers written")
+        return reader.reader
     finally:
-        del view
-        segment.close()
-        segment.unlink()
+        reader.close()
 
 
 def adopted_kv(reader: PayloadReader, cache_dtype: torch.dtype) -> AdoptedKV | None:

@@ -22,6 +22,7 @@ class Init:  # the first message: what the worker is and loads
     kv_budget: float
     cpus: list[int] | None = None  # the CPUs it runs on (None: all of the front's)
     kv_importance: str = "attention"  # what ranks the prompt's tokens below budget 1: "attention" | "position"
+    kv_streaming: bool = True  # the prefill worker sends a prompt's KV layer by layer where the tiers allow it
 
 
 @dataclass
@@ -39,6 +40,14 @@ class Adopt:  # to the decode worker: a prefilled request, its KV in a segment, 
     first_token: int
     kv: PackedKV
     generator_state: bytes | None  # a seeded request's sampler state after its first token
+
+
+@dataclass
+class KVStream:  # prefill worker -> front -> decode worker: a prompt's KV is being written into kv.segment, layer
+    req_id: str  # by layer, as the prefill computes it; its Handoff / Adopt (first token) follows
+    prompt_ids: list[int]
+    params: SamplingParams
+    kv: PackedKV
 
 
 @dataclass

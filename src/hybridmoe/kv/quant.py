@@ -53,12 +53,15 @@ _local = threading.local()
 
 
 def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A per-thread reusable buffer: fresh large tensors cost page faults on every call (most of a pass here)."""
+    """A per-thread reusable buffer: fresh large tensors cost page faults on every call (most of a pass here).
+    One per inference mode: a buffer made inside torch.inference_mode (the PD prefill worker packs a layer from
+    within the forward) cannot be written outside it."""
     numel = math.prod(shape)
     buffers = _local.__dict__.setdefault("buffers", {})
-    buf = buffers.get((name, dtype))
+    key = (name, dtype, torch.is_inference_mode_enabled())
+    buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
-        buf = buffers[(name, dtype)] = torch.empty(max(numel, 1), dtype=dtype)
+        buf = buffers[key] = torch.empty(max(numel, 1), dtype=dtype)
     return buf[:numel].view(shape)
 
 

@@ -53,6 +53,9 @@ class MoEDecoderModel:
         self.device_placement: DevicePlacement | None = None
         # dual-batch overlap of decode steps (models/dual_batch.py; the engine sets it from EngineConfig.overlap)
         self.dual_batch: DualBatch | None = None
+        # observe(layer_index) after each layer of a forward, once its KV is in the cache (the PD prefill worker
+        # sends a prompt's KV layer by layer); a forward with one runs layer by layer (no dual-batch split)
+        self.layer_observers: list[Callable[[int], None]] = []
 
     def add_routing_observer(self, observe: Callable[[int, torch.Tensor], None]) -> Callable[[], None]:
         """Call observe(layer_index, topk_ids [T, K]) at every MoE layer of every forward (routing statistics);
@@ -85,9 +88,11 @@ class MoEDecoderModel:
             return self._forward_placed(input_ids, positions, meta, kv_caches, logits_indices)
         eps = self.config.rms_norm_eps
         h = self.embed[input_ids]  # [T, H]
-        for layer, cache in zip(self.layers, kv_caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             h = h + layer.attention.forward(rms_norm(h, layer.input_norm, eps), positions, meta, cache)
             h = h + layer.mlp.forward(rms_norm(h, layer.post_attention_norm, eps))
+            for observe in self.layer_observers:
+                observe(i)
         if logits_indices is not None:
             h = h[logits_indices]
         return self.lm_head(rms_norm(h, self.norm, eps)).float()
@@ -112,6 +117,8 @@ class MoEDecoderModel:
             timed = placed.mlp[i] and not isinstance(layer.mlp, MoEBlock)  # a MoE block times its own parts
             with stats.accel_section() if timed else nullcontext():
                 h = h + layer.mlp.forward(rms_norm(h, layer.post_attention_norm, eps))
+            for observe in self.layer_observers:
+                observe(i)
         h = h.to(device if placed.lm_head else host)
         if logits_indices is not None:
             h = h[logits_indices.to(h.device)]

@@ -87,10 +87,10 @@ class DualBatch:
 
     def applies(self, model: MoEDecoderModel, meta: AttentionMetadata) -> bool:
         """A decode-only step (one new token per sequence) the tiers want split, of a model with a MoE layer and
-        no attention observer (those see sequence indices of the whole step)."""
+        no attention or layer observer (those see sequence indices, and layers, of the whole step)."""
         return (all(n == 1 for n in meta.query_lens) and self.wanted(meta.num_seqs)
                 and any(isinstance(layer.mlp, MoEBlock) for layer in model.layers)
-                and not any(layer.attention.observers for layer in model.layers))
+                and not any(layer.attention.observers for layer in model.layers) and not model.layer_observers)
 
     @torch.inference_mode()
     def forward(self, model: MoEDecoderModel, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from pathlib import Path
@@ -141,6 +142,15 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
+@dataclass(frozen=True)
+class CompletingPrompt:
+    """A request whose prompt's KV the running step completes (see LLMEngine.set_prompt_kv_observer)."""
+
+    req_id: str
+    prompt_ids: list[int]
+    block_table: list[int]
+
+
 @dataclass
 class AdoptedKV:
     """What `adopt_request`'s write_kv put into the cache, when it is not exactly what a prefill here computes."""
@@ -200,6 +210,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._states: dict[str, _RequestState] = {}
         self._importance_window: int | None = None  # set_prompt_importance
+        self._prompt_kv_observer = None  # set_prompt_kv_observer
+        self._reserved: set[str] = set()  # reserve_adoption's requests, until complete_adoption or cancel_adoption
 
     def _place(self, kv_cache_bytes: int) -> None:
         """Plan (or read the plan file) and move the resident parts onto the accelerator (models/placement.py)."""
@@ -326,6 +338,13 @@ class LLMEngine:
         self._importance_window = window if on else None
         self.scheduler.min_computed_tail = window if on else 1
 
+    def set_prompt_kv_observer(self, observe: Callable[[int, list[CompletingPrompt]], None] | None) -> None:
+        """Call observe(layer_index, prompts) after each layer of every step that completes prompts (the step
+        whose chunk ends a request's prompt), prompts listing them: their KV at that layer is all in the cache
+        then, while the later layers are still to be computed. The PD prefill worker sends it from there. None
+        removes it."""
+        self._prompt_kv_observer = observe
+
     def prompt_importance(self, req_id: str) -> torch.Tensor | None:
         """float32 [prompt tokens]: req_id's attention importance (None until its prefill is complete, or when
         set_prompt_importance is off)."""
@@ -360,22 +379,44 @@ class LLMEngine:
         are not offered to the prefix cache, until a preemption makes it recompute its prompt. Raises ValueError
         when the request cannot be served here (as add_request), or when the KV blocks are not free (check
         can_adopt first)."""
+        table = self.reserve_adoption(prompt_ids, params, req_id)
+        try:
+            adopted = write_kv(table)
+        except BaseException:
+            self.cancel_adoption(req_id)
+            raise
+        self.complete_adoption(req_id, first_token, adopted, generator_state)
+
+    def reserve_adoption(self, prompt_ids: list[int], params: SamplingParams, req_id: str) -> list[int]:
+        """adopt_request in three parts, for a prompt whose KV arrives over several steps: this one takes the KV
+        blocks and returns the block table to write the prompt's KV into; the request waits outside the
+        scheduler's queues (never scheduled) until complete_adoption, or cancel_adoption gives the blocks back.
+        Raises ValueError as adopt_request does."""
         self.add_request(prompt_ids, params, req_id)
+        request = self._states[req_id].request
+        scheduler, manager = self.scheduler, self.scheduler.block_manager
+        scheduler.waiting.remove(request)
+        if not manager.allocate_slots(request, len(prompt_ids) + 1):
+            self.cancel_adoption(req_id)
+            raise ValueError(f"request {req_id!r}: no free KV blocks for its {len(prompt_ids)} tokens")
+        self._reserved.add(req_id)
+        return manager.get_block_table(req_id)
+
+    def cancel_adoption(self, req_id: str) -> None:
+        """Give back a reserved adoption's blocks and forget it (nothing is reported)."""
+        self._reserved.discard(req_id)
+        del self._states[req_id]
+        self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def complete_adoption(self, req_id: str, first_token: int, adopted: AdoptedKV | None = None,
+                          generator_state: torch.Tensor | None = None) -> None:
+        """The reserved request's KV is all written (adopted: as write_kv returns it): it runs from its second
+        token on."""
+        self._reserved.remove(req_id)
         state = self._states[req_id]
         request = state.request
         scheduler, manager = self.scheduler, self.scheduler.block_manager
-        if not manager.allocate_slots(request, len(prompt_ids) + 1):
-            del self._states[req_id]
-            scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
-            raise ValueError(f"request {req_id!r}: no free KV blocks for its {len(prompt_ids)} tokens")
-        try:
-            adopted = write_kv(manager.get_block_table(req_id))
-        except BaseException:
-            del self._states[req_id]
-            scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
-            raise
-        scheduler.waiting.remove(request)
-        request.num_computed_tokens = len(prompt_ids)
+        request.num_computed_tokens = request.num_prompt_tokens
         if adopted is not None:
             dropped = adopted.dropped if adopted.dropped is not None and bool(adopted.dropped.any()) else None
             request.kv_dropped = None if dropped is None else dropped.to(torch.bool).cpu()
@@ -395,8 +436,10 @@ class LLMEngine:
         return self.scheduler.stats()
 
     def has_unfinished_requests(self) -> bool:
-        """True while a request runs or waits, or has finished without being reported yet (aborted)."""
-        return self.scheduler.has_unfinished_requests() or bool(self._states)
+        """True while a request runs or waits, or has finished without being reported yet (aborted); not for
+        adoptions that only wait for their KV (reserve_adoption): there is nothing to step for them."""
+        reserved = len(self._reserved)
+        return self.scheduler.num_unfinished_requests > reserved or len(self._states) > reserved
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns an output for every request that produced tokens or finished."""
@@ -452,27 +495,47 @@ class LLMEngine:
             block.prefill_min_tokens = sys.maxsize if decode_only else 1
         streamed = self._stream_stats() if self._stream_stats is not None else None
         stats.begin_step("decode" if decode_only else "prefill")
-        trackers = self._importance_trackers(sched) if self._importance_window is not None else {}
+        completing = self._completing_prompts(sched)
+        trackers = ({i: AttentionImportance(sched.scheduled[i].request.num_prompt_tokens, self._importance_window,
+                                            seq=i) for i in completing} if self._importance_window is not None else {})
         remove = self.model.add_attention_observer(_dispatch(trackers)) if trackers else None
+        layer_hook = self._prompt_kv_hook(sched, completing)
         try:
             with torch_threads_for_step(sum(item.num_new_tokens for item in sched.scheduled)):  # sampling included
                 result = self._forward_and_sample(sched, chunks, sample_rows, scoring_prompt, streamed)
         finally:
             if remove is not None:
                 remove()
+            if layer_hook is not None:
+                self.model.layer_observers.remove(layer_hook)
         for i, tracker in trackers.items():
             self._states[sched.scheduled[i].request.req_id].importance = tracker.scores()
         return result
 
-    def _importance_trackers(self, sched) -> dict[int, AttentionImportance]:
-        """An AttentionImportance per sequence of this step whose chunk ends its prompt (before any output)."""
-        trackers = {}
+    @staticmethod
+    def _completing_prompts(sched) -> list[int]:
+        """The indices of this step's sequences whose chunk ends their prompt (before any output)."""
+        completing = []
         for i, item in enumerate(sched.scheduled):
             req = item.request
             start, n = req.num_computed_tokens, req.num_prompt_tokens
             if req.num_output_tokens == 0 and start < n <= start + item.num_new_tokens:
-                trackers[i] = AttentionImportance(n, self._importance_window, seq=i)
-        return trackers
+                completing.append(i)
+        return completing
+
+    def _prompt_kv_hook(self, sched, completing: list[int]) -> Callable[[int], None] | None:
+        """The model's layer observer that calls the prompt-KV observer for this step (None: nothing to call)."""
+        observe = self._prompt_kv_observer
+        if observe is None or not completing:
+            return None
+        prompts = [CompletingPrompt(item.request.req_id, list(item.request.prompt_token_ids), list(item.block_table))
+                   for item in (sched.scheduled[i] for i in completing)]
+
+        def hook(layer: int) -> None:
+            observe(layer, prompts)
+
+        self.model.layer_observers.append(hook)
+        return hook
 
     def _forward_and_sample(self, sched, chunks, sample_rows, scoring_prompt, streamed):
         """_run's forward, prompt scoring and sampling (inside its torch thread scope)."""

@@ -1,0 +1,72 @@
+"""`PDEngine`'s workers stream each prompt's KV layer by layer during its prefill (budget 1, the default): the
+single engine's greedy tokens on GQA and MLA models, every request's KV streamed; a request that ends with its
+first token, and one aborted during its prefill, leave no segment and no KV block in the decode worker;
+kv_streaming=False packs after the prefill instead, with the same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from hybridmoe import LLM, SamplingParams
+from hybridmoe.disagg.engine import PDEngine
+from hybridmoe.disagg.shm import list_segments
+from hybridmoe.runtime.engine import EngineConfig
+
+pytestmark = pytest.mark.slow
+PROMPTS = [[5, 17, 33, 8, 90, 12, 61, 7, 200, 31, 4, 77], [44, 3, 81], [9] * 40]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+HANG_S = 120  # a bound on waits for the workers, never a timing assertion
+
+
+async def _tokens(engine: PDEngine, prompt, params) -> list[int]:
+    tokens = []
+    async for out in engine.generate(prompt, params):
+        tokens += out.new_token_ids
+    return tokens
+
+
+async def _run(engine: PDEngine, prompts, params) -> list[list[int]]:
+    return await asyncio.gather(*(_tokens(engine, p, params) for p in prompts))
+
+
+async def _abort_during_prefill(engine: PDEngine) -> None:
+    gen = engine.generate([3] * 200, GREEDY)  # chunks of 64 tokens: several prefill steps
+    task = asyncio.ensure_future(gen.__anext__())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await gen.aclose()
+
+
+def _kv_segments(engine: PDEngine) -> list:
+    return [p for p in list_segments(engine.prefix) if not p.name.startswith(engine.prefix + "weights-")]
+
+
+@pytest.mark.parametrize("family,stream", [("qwen3_moe", True), ("deepseek_v3", True), ("qwen3_moe", False)],
+                         ids=["gqa", "mla", "gqa-packed-after"])
+def test_pd_streams_the_kv_and_gives_the_single_engine_tokens(tiny_model_dir, family, stream):
+    model_dir = tiny_model_dir(family)
+    expected = [r.token_ids for r in LLM(model_dir, dtype="float32").generate(PROMPTS, GREEDY)]
+    engine = PDEngine(model_dir, EngineConfig(dtype="float32", kv_cache_gb=0.05, max_num_batched_tokens=64),
+                      kv_streaming=stream)
+    engine.start()
+    try:
+        engine.wait_ready_sync(HANG_S)
+        assert asyncio.run(_run(engine, PROMPTS, GREEDY)) == expected
+        assert engine.kv_streams == (len(PROMPTS) if stream else 0)
+        # ends with its first token in the prefill worker: the decode worker gives up the KV streamed to it
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        assert asyncio.run(_tokens(engine, PROMPTS[0], one)) == expected[0][:1]
+        assert engine.kv_streams == (len(PROMPTS) + 1 if stream else 0)
+        asyncio.run(_abort_during_prefill(engine))
+        deadline = time.monotonic() + HANG_S
+        while engine.num_unfinished_requests or engine.stats().kv_blocks_used or _kv_segments(engine):
+            assert time.monotonic() < deadline, "a request or its KV was left behind"
+            time.sleep(0.05)
+        assert asyncio.run(_run(engine, PROMPTS[:1], GREEDY)) == expected[:1]  # and the workers carry on
+    finally:
+        engine.shutdown()
+    assert list_segments(engine.prefix) == []
