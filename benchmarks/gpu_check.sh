@@ -24,6 +24,9 @@
 #                         processes, each its own CUDA context; and the same with the prefill worker on a quarter
 #                         of the CPUs, the decode worker on the rest), demo model, alternating rounds in one
 #                         process: the rise over their undisturbed TPOT (goal < 10% with PD) and the long prompt's TTFT;
+#   pd_kv_streaming.json, pd_kv_streaming.txt   benchmarks/pd_kv_streaming.py (issue 45): `serve --pd` with the
+#                         prompt's KV streamed layer by layer and packed after the prefill, side by side, demo model,
+#                         a 3000-token prompt: TTFT and the first-to-second token time of each;
 #   costmodel_slp.json    `hybridmoe bench costmodel --cases slp`: the SLP cases predicted vs measured on CUDA.
 # Usage: OUT=/some/dir [PYTHON=python3] [DEADLINE=600] [MODELS=/tmp/hybridmoe-check-models] bash benchmarks/gpu_check.sh
 # Host memory: the slice holds one layer of experts (11.3 GB) on the host and two slots (22.5 GB) on the GPU.
@@ -50,6 +53,8 @@ TAIL=8 step 240 slp.txt "$PYTHON" benchmarks/slp_check.py --json "$OUT/slp.json"
 TAIL=12 step 240 overlap.txt "$PYTHON" benchmarks/overlap_decode.py --shape gpu --cache-dir "$MODELS" --vram 2GB \
   --batch 16 --prompt-tokens 512 --tokens 32 --rounds 3 --json "$OUT/overlap.json"
 TAIL=8 step 150 pd_tpot.txt "$PYTHON" benchmarks/pd_tpot.py --long-tokens 4000 --rounds 3 --json "$OUT/pd_tpot.json"
+TAIL=6 step 90 pd_kv_streaming.txt "$PYTHON" benchmarks/pd_kv_streaming.py --rounds 3 \
+  --json "$OUT/pd_kv_streaming.json"
 TAIL=8 step 180 costmodel_slp.txt "$PYTHON" -m hybridmoe.cli bench costmodel --cases slp --rounds 2 \
   --json "$OUT/costmodel_slp.json"
 echo "gpu_check: $failed step(s) failed or skipped; results in $OUT"

@@ -6,7 +6,11 @@ kv_streaming=False packs after the prefill instead, with the same tokens."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +74,17 @@ def test_pd_streams_the_kv_and_gives_the_single_engine_tokens(tiny_model_dir, fa
     finally:
         engine.shutdown()
     assert list_segments(engine.prefix) == []
+
+
+def test_the_streaming_benchmark_runs_both_engines(tmp_path):
+    """benchmarks/pd_kv_streaming.py, shortened: both PD engines answer, the setting took (it checks each engine's
+    count of streamed handoffs), and the JSON has both medians."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "pd_kv_streaming.py"
+    out = tmp_path / "streaming.json"
+    result = subprocess.run([sys.executable, str(script), "--long-tokens", "48", "--rounds", "2", "--json", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert set(summary) == {"streamed", "packed after"}
+    assert all(s["ttft_ms"] > 0 and s["gap_ms"] > 0 for s in summary.values())
+    assert "first-to-second token" in result.stdout
