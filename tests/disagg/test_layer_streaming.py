@@ -111,6 +111,9 @@ def test_a_cancelled_adoption_gives_its_blocks_back(tiny_model_dir):
     assert not dec.has_unfinished_requests() and dec.step() == []
     dec.cancel_adoption("r")
     assert dec.stats().kv_blocks_free == free and not dec.has_unfinished_requests()
+    dec.reserve_adoption(PROMPT, GREEDY, "r2")
+    dec.abort_request("r2")  # never ran: cancelled, nothing to report
+    assert dec.stats().kv_blocks_free == free and not dec.has_unfinished_requests() and dec.step() == []
 
 
 def test_a_reader_sees_only_the_published_layers(tiny_model_dir):

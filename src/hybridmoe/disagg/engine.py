@@ -317,7 +317,7 @@ class PDEngine:
                 self._forward(message)
             elif isinstance(message, m.Failed):
                 for req_id in message.req_ids:
-                    self._end_with_error(req_id, message.message)
+                    self._end_with_error(req_id, message.message, role)
             elif isinstance(message, m.Refused):
                 with self._lock:
                     stream = self._streams.pop(message.req_id, None)
@@ -390,11 +390,15 @@ class PDEngine:
         for req_id in doomed:
             self._end_with_error(req_id, message)
 
-    def _end_with_error(self, req_id: str, message: str) -> None:
+    def _end_with_error(self, req_id: str, message: str, failed_in: str | None = None) -> None:
+        """End req_id with an error; failed_in: the worker that failed it (a decode worker that refused a prompt's
+        streamed KV while it still prefills: the prefill worker stops it too)."""
         with self._lock:
             stream = self._streams.pop(req_id, None)
             if stream is not None:
                 self._drop_stream_locked(req_id, stream)
+                if failed_in == DECODE and stream.phase == PREFILL:
+                    self._send_locked(self._slots[PREFILL], m.Abort(req_id))
         if stream is None:
             return
         if stream.segment is not None:

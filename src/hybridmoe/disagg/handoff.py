@@ -247,7 +247,10 @@ class LayerReader:
     def close(self) -> None:
         view = getattr(self, "view", None)
         if view is not None:
-            view.release()
+            try:
+                view.release()
+            except BufferError:  # a view of it still held elsewhere: unmapped when that goes
+                pass
         self.segment.close()
         self.segment.unlink()
 

@@ -351,7 +351,11 @@ class LLMEngine:
         return self._states[req_id].importance
 
     def abort_request(self, req_id: str) -> None:
-        if req_id in self._states:
+        """End req_id at the next step (finish_reason "abort"); a reserved adoption, which never ran, is cancelled
+        at once. Unknown ids are ignored."""
+        if req_id in self._reserved:
+            self.cancel_adoption(req_id)
+        elif req_id in self._states:
             self.scheduler.abort_request(req_id)
 
     # ---- prefill/decode disaggregation (hybridmoe.disagg): a request moves between two engines with its KV ----
