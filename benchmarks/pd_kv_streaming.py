@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: idle 
 from hybridmoe import SamplingParams  # noqa: E402
 from hybridmoe.checkpoint.default_model import resolve_model_dir  # noqa: E402
 from hybridmoe.config import load_config  # noqa: E402
-from hybridmoe.disagg.cpus import parse_cpu_list  # noqa: E402
+from hybridmoe.disagg.cpus import split_cpus  # noqa: E402
 from hybridmoe.disagg.engine import PDEngine  # noqa: E402
 from hybridmoe.kv.layout import KVLayout  # noqa: E402
 from hybridmoe.models.loader import resolve_dtype  # noqa: E402
@@ -53,18 +53,6 @@ async def measure(engine: PDEngine, args, vocab: int) -> dict:
     return {"ttft_s": stamps[0] - start, "gap_s": stamps[1] - stamps[0]}
 
 
-def split_cpus(text: str) -> tuple[list[int], list[int]] | None:
-    if text == "none":
-        return None
-    if text != "auto":
-        prefill, decode = text.split(":")
-        return parse_cpu_list(prefill), parse_cpu_list(decode)
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return None
-    return cpus[: len(cpus) // 2], cpus[len(cpus) // 2:]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo")
@@ -76,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     config = EngineConfig(dtype=args.dtype, max_num_batched_tokens=args.long_tokens, kv_cache_gb=0.5,
                           max_model_len=args.long_tokens + 16)
-    split = split_cpus(args.split)
+    split = split_cpus(args.split, 0.5)
     cpus = {"prefill_cpus": split[0], "decode_cpus": split[1]} if split else {}
     if split:
         print(f"prefill workers on CPUs {split[0]}, decode workers on {split[1]}")

@@ -36,7 +36,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: idle engines must not spin
 
 from hybridmoe import SamplingParams  # noqa: E402
-from hybridmoe.disagg.cpus import parse_cpu_list  # noqa: E402
+from hybridmoe.disagg.cpus import split_cpus  # noqa: E402
 from hybridmoe.disagg.engine import PDEngine  # noqa: E402
 from hybridmoe.runtime.async_engine import AsyncLLMEngine  # noqa: E402
 from hybridmoe.runtime.engine import EngineConfig  # noqa: E402
@@ -87,19 +87,6 @@ def _tpot(stamps: list[tuple[float, int]], start: float, end: float) -> float:
     return (after[0] - before[0]) / max(1, after[1] - before[1])
 
 
-def _split(text: str) -> tuple[list[int], list[int]] | None:
-    if text == "none":
-        return None
-    if text != "auto":
-        prefill, decode = text.split(":")
-        return parse_cpu_list(prefill), parse_cpu_list(decode)
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return None
-    cut = max(1, len(cpus) // 4)
-    return cpus[:cut], cpus[cut:]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo")
@@ -116,7 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     config = EngineConfig(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gb=0.5)
     engines = {"single": AsyncLLMEngine(args.model, config), "pd": PDEngine(args.model, config)}
-    split = _split(args.split)
+    split = split_cpus(args.split, 0.25)
     if split is not None:
         engines["pd-split"] = PDEngine(args.model, config, prefill_cpus=split[0], decode_cpus=split[1])
         print(f"pd-split: prefill worker on CPUs {split[0]}, decode worker on {split[1]}")

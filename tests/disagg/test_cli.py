@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridmoe.cli import main
-from hybridmoe.disagg.cpus import parse_cpu_list
+from hybridmoe.disagg.cpus import parse_cpu_list, split_cpus
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -27,3 +27,14 @@ def test_cpu_lists():
     for bad in ("", "a", "1-", "-1", "4-2"):
         with pytest.raises(ValueError, match="expected numbers and ranges"):
             parse_cpu_list(bad)
+
+
+def test_benchmark_cpu_splits(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    assert split_cpus("auto", 0.25) == ([0, 1], [2, 3, 4, 5, 6, 7])
+    assert split_cpus("auto", 0.5) == ([0, 1, 2, 3], [4, 5, 6, 7])
+    assert split_cpus("0:1-3", 0.5) == ([0], [1, 2, 3]) and split_cpus("none", 0.5) is None
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {3})
+    assert split_cpus("auto", 0.5) is None
+    with pytest.raises(ValueError, match="expected auto, none or PREFILL_CPUS:DECODE_CPUS"):
+        split_cpus("0-3", 0.5)

@@ -14,6 +14,8 @@ from hybridmoe.kv.layout import KVLayout
 from hybridmoe.runtime.engine import EngineConfig, LLMEngine
 from hybridmoe.runtime.sampling_params import SamplingParams
 
+from disagg.test_handoff import run_to_end
+
 PROMPT = [5, 17, 33, 8, 90, 12, 61, 7, 200, 31, 4, 77, 19, 150, 2, 88, 43, 9, 120, 64, 3]
 FAMILIES = ["deepseek_v3", "qwen3_moe", "mixtral"]
 PREFIX = owner_prefix() + "test-stream-"
@@ -23,15 +25,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 def engine(model_dir, **config) -> LLMEngine:
     return LLMEngine(model_dir, EngineConfig(dtype="float32", kv_cache_gb=0.01, block_size=4, **config),
                      show_progress=False)
-
-
-def run_to_end(eng: LLMEngine) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                tokens[out.req_id] = out.token_ids
-    return tokens
 
 
 class Streamer:

@@ -43,6 +43,23 @@ def check_cpus(cpus: list[int] | str | None, what: str) -> list[int] | None:
     return cpus
 
 
+def split_cpus(text: str, prefill_share: float) -> tuple[list[int], list[int]] | None:
+    """(prefill CPUs, decode CPUs) for benchmarks' --split: "PREFILL:DECODE" lists; "auto": the first
+    prefill_share of this process's CPUs (at least one) and the rest; "none", or auto on one CPU: None."""
+    if text == "none":
+        return None
+    if text != "auto":
+        if text.count(":") != 1:
+            raise ValueError(f"--split {text!r}: expected auto, none or PREFILL_CPUS:DECODE_CPUS")
+        prefill, decode = text.split(":")
+        return parse_cpu_list(prefill), parse_cpu_list(decode)
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    cut = max(1, int(len(cpus) * prefill_share))
+    return cpus[:cut], cpus[cut:]
+
+
 def pin_to(cpus: list[int]) -> None:
     """This process (a worker, before it loads anything) on cpus, torch's threads as many."""
     import torch
