@@ -3,9 +3,10 @@
 # It builds the package in place through benchmarks/device_check.sh (its build and info steps only), then writes
 # under $OUT, each step time-boxed, all within DEADLINE seconds:
 #   build.log, info.txt   from device_check.sh (the build; the machine, GPUs and `hybridmoe info`);
-#   tests_gpu.log         the GPU tests: tests named *cuda* under tests/hybrid and tests/accel (the same greedy
-#                         tokens with stream-loading prefill on CUDA as the plain engine; dual-batch overlap's decode
-#                         on CUDA against the steps whole and the plain engine, ...), skipped without CUDA;
+#   tests_gpu.log         the GPU tests: tests named *cuda* under tests/hybrid, tests/accel and tests/disagg (the
+#                         same greedy tokens with stream-loading prefill on CUDA as the plain engine; dual-batch
+#                         overlap's decode on CUDA against the steps whole and the plain engine; the PD KV handoff
+#                         from and into caches on CUDA, ...), skipped without CUDA;
 #   slp.json, slp.txt     benchmarks/slp_check.py: pinned host->device copy bandwidth; a DeepSeek-V3-shaped slice
 #                         (4 MoE layers of 256 FP8 experts of 7168 x 2048 with block scales, random bytes) streamed
 #                         for a 4096-token chunk: SLP's achieved H2D throughput as a fraction of the pinned
@@ -48,7 +49,8 @@ OUT="$OUT" PYTHON="$PYTHON" STEPS="" DEADLINE=$((DEADLINE / 2)) bash benchmarks/
 "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" ||
   echo "!! torch sees no CUDA device: the GPU tests skip and the measures run on the CPU stand-in"
 
-TAIL=15 step 180 tests_gpu.log "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/hybrid tests/accel -k cuda
+TAIL=15 step 180 tests_gpu.log "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/hybrid tests/accel tests/disagg \
+  -k cuda
 TAIL=8 step 240 slp.txt "$PYTHON" benchmarks/slp_check.py --json "$OUT/slp.json"
 TAIL=12 step 240 overlap.txt "$PYTHON" benchmarks/overlap_decode.py --shape gpu --cache-dir "$MODELS" --vram 2GB \
   --batch 16 --prompt-tokens 512 --tokens 32 --rounds 3 --json "$OUT/overlap.json"

@@ -7,6 +7,7 @@ with chunked prefill too; a cancelled adoption gives its blocks back; nothing is
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hybridmoe.disagg import handoff
 from hybridmoe.disagg.shm import list_segments, owner_prefix
@@ -130,6 +131,36 @@ def test_a_reader_sees_only_the_published_layers(tiny_model_dir):
     with pytest.raises(ValueError, match="1 of .* layers written"):
         writer.close()
     writer.discard()
+    assert list_segments(PREFIX) == []
+    pre.abort_request("a")
+    run_to_end(pre)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh runs it)")
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_layers_stream_from_and_into_caches_on_cuda(tiny_model_dir, family):
+    """Where attention is placed on the accelerator the paged caches live there: a layer is packed on the host from
+    a CUDA cache and unpacked into another CUDA cache, the rows equal to the CPU cache's."""
+    pre = engine(tiny_model_dir(family))
+    pre.add_request(PROMPT, GREEDY, req_id="a")
+    while not any(o.token_ids for o in pre.step()):
+        pass
+    layout = KVLayout.from_config(pre.model_config)
+    identity = handoff.model_identity(pre.model_config)
+    slots = handoff.slots_of(pre.scheduler.block_manager.get_block_table("a"), len(PROMPT), 4)
+    sources = [cache.cuda() for cache in pre.runner.kv_caches]
+    targets = [torch.zeros_like(cache) for cache in sources]
+    policy = handoff.KVPolicy(1.0)
+    writer = handoff.LayerWriter(PREFIX + "cuda", layout, handoff.choose_tiers(len(PROMPT), policy), model=identity,
+                                 full_dtype=sources[0].dtype, policy=policy)
+    reader = handoff.LayerReader(PREFIX + "cuda", layout, slots, model=identity)
+    for i, cache in enumerate(sources):
+        writer.write_layer(i, cache, slots)
+        reader.unpack_ready(targets)
+    writer.close()
+    reader.close()
+    for cpu, target in zip(pre.runner.kv_caches, targets):
+        assert torch.equal(layout.rows_from_cache(cpu, slots), layout.rows_from_cache(target, slots).cpu())
     assert list_segments(PREFIX) == []
     pre.abort_request("a")
     run_to_end(pre)

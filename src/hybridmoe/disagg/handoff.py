@@ -188,7 +188,8 @@ class LayerWriter:
         """Pack layer `layer` (the next one) of cache at slots [n] and publish it."""
         if layer != self.layers:
             raise ValueError(f"layer {layer} written after {self.layers} of {self.layout.num_layers}")
-        data = self.writer.pack_layer(layer, self.layout.rows_from_cache(cache, slots))
+        data = self.writer.pack_layer(layer, self.layout.rows_from_cache(cache, slots).cpu())  # the cache may be on
+        # the accelerator (attention placed there); the payload is packed on the host
         self.segment.buf[self.offset: self.offset + len(data)] = data
         self.offset += len(data)
         self.layers += 1

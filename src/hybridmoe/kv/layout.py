@@ -56,15 +56,17 @@ class KVLayout:
         return KVLayout(str(d["kind"]), int(d["num_layers"]), tuple(int(w) for w in d["group_widths"]))
 
     def rows_from_cache(self, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One layer's paged cache, slots [n] long -> rows [n, W] (a copy, in the cache's dtype)."""
+        """One layer's paged cache, slots [n] long -> rows [n, W] (a copy, in the cache's dtype, on its device)."""
+        slots = slots.to(cache.device)
         if self.kind == "gqa":
             kv = cache.flatten(1, 2)[:, slots]  # [2, n, Nk, D]
             return kv.permute(1, 0, 2, 3).reshape(slots.shape[0], self.row_width)
         return cache.flatten(0, 1)[slots]
 
     def rows_to_cache(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write rows [n, W] into one layer's paged cache at slots [n]."""
+        """Write rows [n, W] into one layer's paged cache at slots [n] (either may be on another device)."""
         n = slots.shape[0]
+        slots, rows = slots.to(cache.device), rows.to(cache.device)
         if self.kind == "gqa":
             heads, dim = cache.shape[-2], cache.shape[-1]
             values = rows.view(n, 2, heads, dim).permute(1, 0, 2, 3).to(cache.dtype)  # [2, n, Nk, D]
