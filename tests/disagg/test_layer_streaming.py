@@ -6,6 +6,8 @@ with chunked prefill too; a cancelled adoption gives its blocks back; nothing is
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -161,6 +163,39 @@ def test_layers_stream_from_and_into_caches_on_cuda(tiny_model_dir, family):
     reader.close()
     for cpu, target in zip(pre.runner.kv_caches, targets):
         assert torch.equal(layout.rows_from_cache(cpu, slots), layout.rows_from_cache(target, slots).cpu())
+    assert list_segments(PREFIX) == []
+    pre.abort_request("a")
+    run_to_end(pre)
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.5, 0.2])
+def test_a_streamed_payload_is_the_payload_packed_after(tiny_model_dir, budget):
+    """With position importance the tiers are known before the prefill, so the KV streams at any budget: layer by
+    layer it unpacks to the same rows, tiers and dropped positions as the payload packed after the step."""
+    pre, dec = engine(tiny_model_dir("qwen3_moe")), engine(tiny_model_dir("qwen3_moe"))
+    pre.add_request(PROMPT, GREEDY, req_id="a")
+    while not any(o.token_ids for o in pre.step()):
+        pass
+    layout = KVLayout.from_config(pre.model_config)
+    identity = handoff.model_identity(pre.model_config)
+    slots = handoff.slots_of(pre.scheduler.block_manager.get_block_table("a"), len(PROMPT), 4)
+    policy = handoff.KVPolicy(budget, "position")
+    assert policy.streams
+    whole = handoff.pack_into_segment(PREFIX + "whole", pre.runner.kv_caches, layout, slots, model=identity,
+                                      policy=policy)
+    packed_after = handoff.unpack_from_segment(whole.segment, dec.runner.kv_caches, layout, slots + 32,
+                                               model=identity)
+    writer = handoff.LayerWriter(PREFIX + "layers", layout, handoff.choose_tiers(len(PROMPT), policy),
+                                 model=identity, full_dtype=pre.runner.kv_caches[0].dtype, policy=policy)
+    reader = handoff.LayerReader(PREFIX + "layers", layout, slots + 64, model=identity)
+    for i, cache in enumerate(pre.runner.kv_caches):
+        writer.write_layer(i, cache, slots)
+        assert reader.unpack_ready(dec.runner.kv_caches) == (i + 1 == len(pre.runner.kv_caches))
+    assert writer.close() == dataclasses.replace(whole, segment=PREFIX + "layers")
+    assert torch.equal(reader.reader.tiers, packed_after.tiers) and bool((packed_after.tiers != 0).any()) == (budget < 1)
+    reader.close()
+    for cache in dec.runner.kv_caches:
+        assert torch.equal(layout.rows_from_cache(cache, slots + 32), layout.rows_from_cache(cache, slots + 64))
     assert list_segments(PREFIX) == []
     pre.abort_request("a")
     run_to_end(pre)
