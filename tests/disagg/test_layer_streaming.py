@@ -2,7 +2,8 @@
 tiers are known before the prefill): the prefill engine's prompt-KV observer writes each layer into the segment as
 soon as its forward has computed it, and the decode engine, holding KV blocks from reserve_adoption, unpacks that
 layer while the later layers are still to be computed. Same greedy tokens as one engine on all three families,
-with chunked prefill too; a cancelled adoption gives its blocks back; nothing is left in /dev/shm."""
+with chunked prefill too; with position importance the streamed payload is the one packed after at any budget; a
+cancelled adoption gives its blocks back; caches on CUDA stream too (with a GPU); nothing is left in /dev/shm."""
 
 from __future__ import annotations
 
