@@ -95,3 +95,21 @@ def test_unsupported_formats_are_clear_errors():
     weights.fmt = "nf4"
     with pytest.raises(ValueError, match="unsupported expert weight format 'nf4'"):
         CpuExpertBackend(weights)
+
+
+@pytest.mark.parametrize("family,blocking", [("qwen3_moe", True), ("mixtral", True), ("deepseek_v3", False)])
+def test_a_moe_block_without_shared_experts_runs_its_experts_on_the_calling_thread(tiny_model_dir, family,
+                                                                                     blocking):
+    """MoEBlock.forward takes the backend's blocking `run` when it has no shared experts to overlap (Qwen3-MoE,
+    Mixtral), submit/wait otherwise (DeepSeek-V3); either way the same output bit for bit as start/finish."""
+    from hybridmoe.layers.moe.block import MoEBlock
+    from hybridmoe.models.loader import load_model
+
+    model = load_model(tiny_model_dir(family), "float32")
+    blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
+    gen = torch.Generator().manual_seed(7)
+    for block in blocks:
+        assert (block.shared is None) == blocking and isinstance(block.experts, CpuExpertBackend)
+        for tokens in (1, 5):
+            x = torch.randn(tokens, model.config.hidden_size, generator=gen)
+            assert torch.equal(block.forward(x), block.finish(block.start(x)))

@@ -89,3 +89,6 @@ class ExpertBackend(Protocol):
     def wait(self, handle: Any) -> torch.Tensor:
         """Block until the submitted work is done; returns [T, H] in hidden's dtype."""
         ...
+
+# A backend may also have run(hidden, topk_ids, topk_weights) -> [T, H]: submit and wait in one blocking call, on
+# the calling thread; MoEBlock takes it when it has nothing to run meanwhile (no shared experts).

@@ -25,20 +25,33 @@ class MoEBlock:
         self.prefill_min_tokens = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]. The shared experts run between submit and wait, overlapping routed work."""
-        return self.finish(self.start(x))
+        """x [T, H] -> [T, H]. The shared experts run between submit and wait, overlapping routed work; without
+        shared experts a backend with a blocking call on this thread (`run`) takes it: nothing would overlap."""
+        experts = self._experts_for(x)
+        run = getattr(experts, "run", None) if self.shared is None else None
+        if run is None:
+            return self.finish(self.start(x))
+        return run(x, *self._route(x))
 
     def start(self, x: torch.Tensor) -> "PendingMoE":
         """The first half of forward: route x [T, H] and submit its routed experts (they compute on the backend's
         own threads from here on); the caller may run other work before `finish` (dual-batch decode runs the
         other micro-batch's attention there: models/dual_batch.py)."""
-        topk_ids, topk_weights = self.router.route(x)  # [T, K], [T, K]
+        experts = self._experts_for(x)
+        return PendingMoE(x, experts, experts.submit(x, *self._route(x)))
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> topk_ids [T, K], topk_weights [T, K], seen by the routing observers."""
+        topk_ids, topk_weights = self.router.route(x)
         for observe in self.routing_observers:
             observe(topk_ids)
-        experts = self.experts
+        return topk_ids, topk_weights
+
+    def _experts_for(self, x: torch.Tensor) -> ExpertBackend:
+        """The stream-loading prefill's backend for chunks of prefill_min_tokens and more, else `experts`."""
         if self.prefill_experts is not None and x.shape[0] >= self.prefill_min_tokens:
-            experts = self.prefill_experts
-        return PendingMoE(x, experts, experts.submit(x, topk_ids, topk_weights))
+            return self.prefill_experts
+        return self.experts
 
     def finish(self, pending: "PendingMoE") -> torch.Tensor:
         """The second half: the shared experts, then wait for the routed ones -> [T, H]."""
