@@ -1,16 +1,20 @@
 """CpuExpertBackend (the ExpertBackend on the C++ kernels) against plain torch computations of the same MoE,
 grouped by expert, for each weight format; shared experts as extra experts in the same call; overlap of submit
-and wait."""
+and wait; the MoE block's blocking run where it has no shared experts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from hybridmoe.accel.stats import RunStats
 from hybridmoe.kernels import reference
 from hybridmoe.layers.moe.backend import ExpertWeights
+from hybridmoe.layers.moe.block import MoEBlock
 from hybridmoe.layers.moe.cpu_backend import CpuExpertBackend
+from hybridmoe.layers.moe.hybrid_backend import TimedOnDevice
 from hybridmoe.layers.moe.torch_backend import TorchExpertBackend
+from hybridmoe.models.loader import load_model
 from kernel_testing import bf16_activation_tolerance, random_experts, random_routing, seed
 
 E, H, I, K = 8, 256, 96, 4
@@ -102,9 +106,6 @@ def test_a_moe_block_without_shared_experts_runs_its_experts_on_the_calling_thre
                                                                                      blocking):
     """MoEBlock.forward takes the backend's blocking `run` when it has no shared experts to overlap (Qwen3-MoE,
     Mixtral), submit/wait otherwise (DeepSeek-V3); either way the same output bit for bit as start/finish."""
-    from hybridmoe.layers.moe.block import MoEBlock
-    from hybridmoe.models.loader import load_model
-
     model = load_model(tiny_model_dir(family), "float32")
     blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
     gen = torch.Generator().manual_seed(7)
@@ -113,3 +114,18 @@ def test_a_moe_block_without_shared_experts_runs_its_experts_on_the_calling_thre
         for tokens in (1, 5):
             x = torch.randn(tokens, model.config.hidden_size, generator=gen)
             assert torch.equal(block.forward(x), block.finish(block.start(x)))
+
+
+def test_a_timed_backends_blocking_run_counts_as_accelerator_time():
+    """TimedOnDevice (a part the plan put on the accelerator) times a backend's blocking `run` as it times its
+    submit and wait; a part without `run` has none through it."""
+    gen = torch.Generator().manual_seed(8)
+    weights, exact = _expert_weights("f32", gen)
+    stats = RunStats()
+    timed = TimedOnDevice(CpuExpertBackend(weights), stats)
+    hidden = torch.randn(3, H, generator=gen)
+    ids, w = random_routing(3, K, E, gen)
+    stats.begin_step("decode")
+    assert _error(timed.run(hidden, ids, w), reference.moe_reference(hidden, ids, w, exact)) < 2e-5
+    assert stats.last.accel_s > 0
+    assert getattr(TimedOnDevice(object(), stats), "run", None) is None
