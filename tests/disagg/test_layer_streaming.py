@@ -31,6 +31,17 @@ def engine(model_dir, **config) -> LLMEngine:
                      show_progress=False)
 
 
+def prefilled(model_dir):
+    """A prefill engine that has computed PROMPT (request "a") up to its first token, a decode engine, and the
+    prompt's KV layout, model identity and cache slots [n] in the prefill engine."""
+    pre, dec = engine(model_dir), engine(model_dir)
+    pre.add_request(PROMPT, GREEDY, req_id="a")
+    while not any(o.token_ids for o in pre.step()):
+        pass
+    slots = handoff.slots_of(pre.scheduler.block_manager.get_block_table("a"), len(PROMPT), 4)
+    return pre, dec, KVLayout.from_config(pre.model_config), handoff.model_identity(pre.model_config), slots
+
+
 class Streamer:
     """The prompt-KV observer of a prefill engine, writing into a segment that a decode engine reads at once."""
 
@@ -115,13 +126,7 @@ def test_a_cancelled_adoption_gives_its_blocks_back(tiny_model_dir):
 
 def test_a_reader_sees_only_the_published_layers(tiny_model_dir):
     """The progress word: layers not yet written are not unpacked, and an incomplete payload is refused whole."""
-    pre, dec = engine(tiny_model_dir("deepseek_v3")), engine(tiny_model_dir("deepseek_v3"))
-    pre.add_request(PROMPT, GREEDY, req_id="a")
-    while not any(o.token_ids for o in pre.step()):
-        pass
-    layout = KVLayout.from_config(pre.model_config)
-    identity = handoff.model_identity(pre.model_config)
-    slots = handoff.slots_of(pre.scheduler.block_manager.get_block_table("a"), len(PROMPT), 4)
+    pre, dec, layout, identity, slots = prefilled(tiny_model_dir("deepseek_v3"))
     policy = handoff.KVPolicy(1.0)
     writer = handoff.LayerWriter(PREFIX + "partial", layout, handoff.choose_tiers(len(PROMPT), policy),
                                  model=identity, full_dtype=pre.runner.kv_caches[0].dtype, policy=policy)
@@ -144,13 +149,7 @@ def test_a_reader_sees_only_the_published_layers(tiny_model_dir):
 def test_layers_stream_from_and_into_caches_on_cuda(tiny_model_dir, family):
     """Where attention is placed on the accelerator the paged caches live there: a layer is packed on the host from
     a CUDA cache and unpacked into another CUDA cache, the rows equal to the CPU cache's."""
-    pre = engine(tiny_model_dir(family))
-    pre.add_request(PROMPT, GREEDY, req_id="a")
-    while not any(o.token_ids for o in pre.step()):
-        pass
-    layout = KVLayout.from_config(pre.model_config)
-    identity = handoff.model_identity(pre.model_config)
-    slots = handoff.slots_of(pre.scheduler.block_manager.get_block_table("a"), len(PROMPT), 4)
+    pre, _, layout, identity, slots = prefilled(tiny_model_dir(family))
     sources = [cache.cuda() for cache in pre.runner.kv_caches]
     targets = [torch.zeros_like(cache) for cache in sources]
     policy = handoff.KVPolicy(1.0)
@@ -173,13 +172,7 @@ def test_layers_stream_from_and_into_caches_on_cuda(tiny_model_dir, family):
 def test_a_streamed_payload_is_the_payload_packed_after(tiny_model_dir, budget):
     """With position importance the tiers are known before the prefill, so the KV streams at any budget: layer by
     layer it unpacks to the same rows, tiers and dropped positions as the payload packed after the step."""
-    pre, dec = engine(tiny_model_dir("qwen3_moe")), engine(tiny_model_dir("qwen3_moe"))
-    pre.add_request(PROMPT, GREEDY, req_id="a")
-    while not any(o.token_ids for o in pre.step()):
-        pass
-    layout = KVLayout.from_config(pre.model_config)
-    identity = handoff.model_identity(pre.model_config)
-    slots = handoff.slots_of(pre.scheduler.block_manager.get_block_table("a"), len(PROMPT), 4)
+    pre, dec, layout, identity, slots = prefilled(tiny_model_dir("qwen3_moe"))
     policy = handoff.KVPolicy(budget, "position")
     assert policy.streams
     whole = handoff.pack_into_segment(PREFIX + "whole", pre.runner.kv_caches, layout, slots, model=identity,
