@@ -499,7 +499,8 @@ class LLMEngine:
             block.prefill_min_tokens = sys.maxsize if decode_only else 1
         streamed = self._stream_stats() if self._stream_stats is not None else None
         stats.begin_step("decode" if decode_only else "prefill")
-        completing = self._completing_prompts(sched)
+        wanted = self._importance_window is not None or self._prompt_kv_observer is not None
+        completing = self._completing_prompts(sched) if wanted else []  # none looked for: nothing on decode steps
         trackers = ({i: AttentionImportance(sched.scheduled[i].request.num_prompt_tokens, self._importance_window,
                                             seq=i) for i in completing} if self._importance_window is not None else {})
         remove = self.model.add_attention_observer(_dispatch(trackers)) if trackers else None

@@ -30,14 +30,16 @@ class MoEBlock:
         experts = self._experts_for(x)
         run = getattr(experts, "run", None) if self.shared is None else None
         if run is None:
-            return self.finish(self.start(x))
+            return self.finish(self._submit(x, experts))
         return run(x, *self._route(x))
 
     def start(self, x: torch.Tensor) -> "PendingMoE":
         """The first half of forward: route x [T, H] and submit its routed experts (they compute on the backend's
         own threads from here on); the caller may run other work before `finish` (dual-batch decode runs the
         other micro-batch's attention there: models/dual_batch.py)."""
-        experts = self._experts_for(x)
+        return self._submit(x, self._experts_for(x))
+
+    def _submit(self, x: torch.Tensor, experts: ExpertBackend) -> "PendingMoE":
         return PendingMoE(x, experts, experts.submit(x, *self._route(x)))
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
