@@ -63,6 +63,7 @@ class _Stream:
     first: RequestOutput | None = None  # the prefill worker's output with the first token
     aborted: bool = False  # abort() was asked: a handoff still on its way ends it instead of moving it
     streamed: bool = False  # its KV streams to the decode worker during its prefill (KVStream)
+    refused: str | None = None  # why the decode worker refused its streamed KV (it ends with that error)
 
 
 @dataclass
@@ -340,6 +341,9 @@ class PDEngine:
             if out.finished:
                 del self._streams[out.req_id]
                 self._drop_stream_locked(out.req_id, stream)
+        if out.finished and stream.refused is not None and out.finish_reason == "abort":
+            self._finish(out.req_id, stream, "error", stream.refused)  # stopped because its KV had nowhere to go
+            return
         if out.finished and self.on_request_finished is not None:
             self.on_request_finished(out)
         self._post(stream, out)
@@ -365,7 +369,7 @@ class PDEngine:
         """A prefilled request on its way to the decode worker."""
         with self._lock:
             stream = self._streams.get(handoff.req_id)
-            if stream is not None and stream.aborted:  # aborted while its handoff was on its way here
+            if stream is not None and (stream.aborted or stream.refused is not None):  # ends here, not moved
                 del self._streams[handoff.req_id]
                 self._drop_stream_locked(handoff.req_id, stream)
             elif stream is not None and stream.phase == PREFILL:
@@ -377,7 +381,8 @@ class PDEngine:
                 stream = None
         remove(handoff.kv.segment)  # nobody waits for it any more
         if stream is not None:
-            self._finish(handoff.req_id, stream, "abort", None)
+            self._finish(handoff.req_id, stream, *(("abort", None) if stream.refused is None
+                                                   else ("error", stream.refused)))
 
     def _fail_role(self, role: str, message: str) -> None:
         """End every request held by the worker of role, or on its way to it, with an error."""
@@ -391,14 +396,19 @@ class PDEngine:
             self._end_with_error(req_id, message)
 
     def _end_with_error(self, req_id: str, message: str, failed_in: str | None = None) -> None:
-        """End req_id with an error; failed_in: the worker that failed it (a decode worker that refused a prompt's
-        streamed KV while it still prefills: the prefill worker stops it too)."""
+        """End req_id with an error; failed_in: the worker that failed it. A decode worker that refused a prompt's
+        streamed KV while the prompt is still in the prefill worker stops it there, and the request ends when the
+        prefill worker's answer comes: with the error once stopped, or as it is if it had ended meanwhile (at its
+        first token: it never needed the decode worker, whose refusal may be of a segment already given up)."""
         with self._lock:
+            stream = self._streams.get(req_id)
+            if stream is not None and failed_in == DECODE and stream.phase == PREFILL:
+                stream.refused = message
+                self._send_locked(self._slots[PREFILL], m.Abort(req_id))
+                return
             stream = self._streams.pop(req_id, None)
             if stream is not None:
                 self._drop_stream_locked(req_id, stream)
-                if failed_in == DECODE and stream.phase == PREFILL:
-                    self._send_locked(self._slots[PREFILL], m.Abort(req_id))
         if stream is None:
             return
         if stream.segment is not None:
