@@ -1,15 +1,15 @@
 """Held-out perplexity of int8/int4 copies of the demo model, through hybridmoe's own engine, against BF16.
 
 Each variant is written by `hybridmoe quantize` into a temporary directory: every projection (scope "all":
-attention, dense and shared MLPs, routed experts, the LM head in int8; embeddings, norms, routers and MLA's
-kv_b_proj stay BF16) or the routed experts alone (--experts-only), int8 or int4 per group of 32 (and 128)
-columns. Each model, the BF16 original included, is loaded by hybridmoe.models.loader.load_model in float32
+attention, dense and shared MLPs, routed experts, the LM head in int8, or for the "-head-int4" variants in int4
+(`--lm-head int4`); embeddings, norms, routers and MLA's kv_b_proj stay BF16) or the routed experts alone
+(--experts-only), int8 or int4 per group of 32 (and 128) columns. Each model, the BF16 original included, is loaded by hybridmoe.models.loader.load_model in float32
 compute on the CPU kernels (the int formats run in their stored format: int weights, activations quantised to
 int8 per group) and scored by evaluate.heldout_perplexity: per source (fortunes, python_docs, chat), 512-token
 windows over the first --heldout-tokens of its held-out documents. Writes results/quantized_eval.json and prints
 ppl per source and the change against BF16.
 
-Run: .venv/bin/python training/quantized_eval.py [--heldout-tokens 4096] [--groups 32]
+Run: .venv/bin/python training/quantized_eval.py [--heldout-tokens 4096] [--groups 32] [--variants NAME,...]
 (MODEL_CARD.md's table: --heldout-tokens 40000 --groups 32,128, evaluate.py's budget; about 30 minutes on 2 cores)
 (needs training/data/heldout.jsonl: apt-get install fortunes fortunes-min python3-doc, then prepare_data.py)
 """
@@ -35,13 +35,17 @@ BLOCK_SIZE = 16  # KV-cache block size of the runner; one window fills window / 
 
 
 def variants(groups: list[int]) -> list[dict]:
-    """(format, group, scope) of every quantised copy, every projection first, then experts only."""
-    return [{"format": fmt, "group": group, "scope": scope}
-            for scope in ("all", "experts") for group in groups for fmt in ("int8", "int4")]
+    """(format, group, scope, lm_head) of every quantised copy: every projection first (int4 with the LM head in
+    int8, then in int4), then experts only."""
+    every = [{"format": fmt, "group": group, "scope": "all", "lm_head": "int8"}
+             for group in groups for fmt in ("int8", "int4")]
+    every += [{"format": "int4", "group": group, "scope": "all", "lm_head": "int4"} for group in groups]
+    return every + [{"format": fmt, "group": group, "scope": "experts", "lm_head": "keep"}
+                    for group in groups for fmt in ("int8", "int4")]
 
 
 def variant_name(v: dict) -> str:
-    return f"{v['format']}-g{v['group']}-{v['scope']}"
+    return f"{v['format']}-g{v['group']}-{v['scope']}" + ("-head-int4" if v["lm_head"] == "int4" else "")
 
 
 def engine_logits(model_dir: Path, window: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -61,7 +65,7 @@ def quantize(out: Path, v: dict) -> None:
     from hybridmoe.cli import main as hybridmoe_main
 
     argv = ["quantize", "--model", str(DEMO_MODEL_DIR), "--to", v["format"], "--group", str(v["group"]),
-            "--out", str(out)] + (["--experts-only"] if v["scope"] == "experts" else [])
+            "--out", str(out)] + (["--experts-only"] if v["scope"] == "experts" else ["--lm-head", v["lm_head"]])
     if hybridmoe_main(argv) != 0:
         raise RuntimeError(f"hybridmoe {' '.join(argv)} failed")
 
@@ -96,8 +100,16 @@ def main() -> None:
                         help="predicted tokens per source (default 4096, 8 windows, a few minutes on 2 cores; "
                              "training/evaluate.py's budget, MODEL_CARD.md's table: 40000)")
     parser.add_argument("--groups", default="32", help="group sizes, comma-separated (default 32; also: 32,128)")
+    parser.add_argument("--variants", default="",
+                        help="only these copies, comma-separated names such as int4-g32-all-head-int4 (default: all)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "quantized_eval.json")
     args = parser.parse_args()
+    groups = [int(g) for g in args.groups.split(",")]
+    chosen = [v for v in variants(groups) if not args.variants or variant_name(v) in args.variants.split(",")]
+    unknown = set(filter(None, args.variants.split(","))) - {variant_name(v) for v in chosen}
+    if unknown:
+        parser.error(f"--variants: {', '.join(sorted(unknown))} not among "
+                     f"{', '.join(variant_name(v) for v in variants(groups))}")
     started = time.time()
     heldout = data_stream.tokenize_split(data_stream.load_tokenizer(DEMO_MODEL_DIR), "heldout")
     window, max_tokens = HELDOUT_WINDOW, args.heldout_tokens
@@ -115,9 +127,8 @@ def main() -> None:
     report["bf16"] = score(DEMO_MODEL_DIR)
     print("BF16", report["bf16"], flush=True)
     report["variants"] = []
-    groups = [int(g) for g in args.groups.split(",")]
     with tempfile.TemporaryDirectory(prefix="quantized_eval-") as tmp:
-        for v in variants(groups):
+        for v in chosen:
             out = Path(tmp) / variant_name(v)
             quantize(out, v)
             result = {"name": variant_name(v), **v, **score(out)}

@@ -104,3 +104,29 @@ def test_refusals_are_error_lines_and_the_output_is_replaced_only_on_request(tmp
     (notes / "todo.txt").write_text("not a model")
     assert main(["quantize", "--model", str(src), "--to", "int8", "--out", str(notes), "--overwrite"]) == 2
     assert "not a model directory" in capsys.readouterr().err and (notes / "todo.txt").exists()
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lm_head", ["int4", "keep"])
+def test_the_lm_head_format_is_chosen_and_the_engine_runs_it(tiny_model_dir, tmp_path, capsys, lm_head):
+    from hybridmoe import LLM, SamplingParams
+
+    src = tiny_model_dir("qwen3_moe")
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(src), "--to", "int4", "--lm-head", lm_head, "--out", str(out)]) == 0
+    report = capsys.readouterr().out
+    source, written = CheckpointReader(src), CheckpointReader(out)
+    head = source.get("lm_head.weight").float()
+    if lm_head == "keep":
+        assert torch.equal(written.get("lm_head.weight"), source.get("lm_head.weight"))
+        assert "lm_head.weight_scale" not in written.names() and "LM head" not in report.splitlines()[0]
+    else:  # two codes a byte, within half a step of the source
+        data, scales = written.get("lm_head.weight"), written.get("lm_head.weight_scale")
+        assert data.dtype == torch.uint8 and data.shape == (head.shape[0], formats.padded_cols(head.shape[1], 32) // 2)
+        error = (reference.dequantize("int4", data, scales, cols=head.shape[1]) - head.double()).abs()
+        assert (error <= scales.double().repeat_interleave(32, 1)[:, :head.shape[1]] * 0.51 + 1e-9).all()
+        assert "LM head int4" not in report.splitlines()[0]  # the same format as --to: not called out
+        assert "the LM head int4" in report
+    llm = LLM(str(out), dtype="float32")
+    assert llm.engine.runner.model.lm_head.fmt == ("int4" if lm_head == "int4" else "f32")
+    result = llm.generate([[5, 17, 33, 8]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    assert len(result.token_ids) == 4 and result.finish_reason == "length"

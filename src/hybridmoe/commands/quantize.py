@@ -1,4 +1,5 @@
-"""`hybridmoe quantize [--model DIR] --to int4|int8 [--group 32|128] --out DIR2 [--experts-only] [--overwrite]`:
+"""`hybridmoe quantize [--model DIR] --to int4|int8 [--group 32|128] [--lm-head int8|int4|keep] --out DIR2
+[--experts-only] [--overwrite]`:
 weights -> int4 or int8 per group for the CPU kernels, as llama.cpp's q4_0/q8_0 files do (default model: the
 embedded demo model).
 
@@ -7,8 +8,10 @@ copy in which every projection is replaced by its int codes under the same name 
 per byte; int8: int8 [N, Kp]; layout in hybridmoe.kernels.formats) plus `<name>_scale` (bfloat16/float16
 [N, Kp/g]): the routed experts (`...experts.N.{gate,up,down}_proj.weight`, Mixtral's `w1/w3/w2`) and, unless
 --experts-only, attention projections, dense and shared-expert MLPs and the LM head. The LM head is written in
-int8 even for --to int4: its error goes straight into every logit, and it is one matrix (llama.cpp's k-quant
-mixes likewise keep the output tensor at 6-8 bits). Embeddings, norms, routers (their choice of experts is
+int8 by default even for --to int4: its error goes straight into every logit, and it is one matrix (llama.cpp's
+k-quant mixes likewise keep the output tensor at 6-8 bits). `--lm-head int4` trades that for speed: the LM head
+is the largest matrix a decode step reads (Qwen3-30B-A3B in int4: 331 of about 1,900 MB a token in int8, 175 in
+int4), at the perplexity cost MODEL_CARD.md reports; `--lm-head keep` leaves it at its precision. Embeddings, norms, routers (their choice of experts is
 sensitive and they are small) and MLA's kv_b_proj (absorbed per head into the query and the output) stay as
 they are, like everything else, copied shard by shard. config.json gains `expert_quantization` = {"method",
 "group_size", "scale_dtype", "layout", "scope": "all" | "experts"}. The copy is written next to DIR2 and moved
@@ -48,11 +51,14 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="demo",
                    help="source checkpoint directory (BF16/FP16/FP32 or FP8), or demo (the default): the embedded "
                         "demo model")
-    p.add_argument("--to", required=True, choices=("int4", "int8"), help="target format (the LM head: int8)")
+    p.add_argument("--to", required=True, choices=("int4", "int8"), help="target format (the LM head: --lm-head)")
     p.add_argument("--group", type=int, default=32, choices=(32, 128), help="columns per scale (default 32)")
     p.add_argument("--scale-dtype", default="bfloat16", choices=tuple(SCALE_DTYPES), help="scale dtype")
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.add_argument("--samples", type=int, default=8, help="experts whose outputs are checked (default 8)")
+    p.add_argument("--lm-head", default="int8", choices=("int8", "int4", "keep"),
+                   help="the LM head's format (default int8, also under --to int4: every logit carries its error; "
+                        "int4 reads half the bytes a decode step spends on it; keep: its stored precision)")
     p.add_argument("--experts-only", action="store_true",
                    help="quantise only the routed experts; attention, MLPs and the LM head keep their precision")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (a model directory)")
@@ -69,13 +75,13 @@ def expert_names(names: list[str]) -> dict[str, list[str]]:
     return {prefix: triple for prefix, triple in experts.items() if None not in triple}
 
 
-def projection_names(names: list[str], experts_only: bool) -> dict[str, str]:
-    """Every non-expert weight `quantize` converts -> its format suffix: "" (the --to format) or "int8" (the LM
-    head); empty with --experts-only."""
+def projection_names(names: list[str], experts_only: bool, lm_head: str = "int8") -> dict[str, str]:
+    """Every non-expert weight `quantize` converts -> its format: "" (the --to format) or, for the LM head, lm_head
+    ("int8" | "int4"; "keep": the LM head is not converted); empty with --experts-only."""
     if experts_only:
         return {}
-    return {name: "int8" if name == LM_HEAD else "" for name in names
-            if PROJECTION_WEIGHT.match(name) or name == LM_HEAD}
+    return {name: lm_head if name == LM_HEAD else "" for name in names
+            if PROJECTION_WEIGHT.match(name) or (name == LM_HEAD and lm_head != "keep")}
 
 
 def source_weight(reader, name: str, block: tuple[int, int]) -> torch.Tensor:
@@ -113,7 +119,8 @@ def run(args) -> int:
     if not experts:
         raise ValueError(f"{src}: no routed-expert weights found (names like ...experts.N.gate_proj.weight)")
     targets = {name: args.to for triple in experts.values() for name in triple}
-    targets.update({name: fmt or args.to for name, fmt in projection_names(reader.names(), args.experts_only).items()})
+    others = projection_names(reader.names(), args.experts_only, args.lm_head)
+    targets.update({name: fmt or args.to for name, fmt in others.items()})
     dst.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     try:
@@ -128,7 +135,7 @@ def run(args) -> int:
     others = len(targets) - 3 * len(experts)
     print(f"wrote {dst}: {len(experts)} experts" + (f" and {others} other projections" if others else "")
           + f", {source_bytes / 2**20:.1f} MiB of weights -> {written_bytes / 2**20:.1f} MiB ({args.to}"
-          + (", LM head int8" if LM_HEAD in targets and args.to == "int4" else "")
+          + (f", LM head {targets[LM_HEAD]}" if targets.get(LM_HEAD, args.to) != args.to else "")
           + f", group {args.group}, {args.scale_dtype} scales)")
     _report_error(reader, CheckpointReader(dst), experts, targets, args, block)
     return 0
@@ -257,5 +264,6 @@ def _report_error(source, written, experts, targets, args, block) -> None:
     others = [name for name in targets if name not in expert_tensors]
     if others:
         errors = projection_output_errors(source, written, others, args.samples, block)
-        print(f"projection output error vs source ({len(errors)} sampled projections, the LM head int8): "
+        head = f", the LM head {targets[LM_HEAD]}" if LM_HEAD in targets else ""
+        print(f"projection output error vs source ({len(errors)} sampled projections{head}): "
               f"mean {sum(errors) / len(errors):.4f}, max {max(errors):.4f}")
