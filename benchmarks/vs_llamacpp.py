@@ -1,7 +1,7 @@
 """Our engine against llama.cpp on one Qwen3-30B-A3B-shaped model, side by side in one run (issue 42; not run by CI).
 
     python benchmarks/vs_llamacpp.py [--layers 4] [--threads 2] [--rounds 3] [--prompt-tokens 512]
-                                     [--decode-tokens 64] [--formats bf16,int8,int4] [--json PATH]
+                                     [--decode-tokens 64] [--formats bf16,int8,int4,int4-head4] [--json PATH]
 
 What it does, each step reused when its output is already there (under --cache, default
 ~/.cache/hybridmoe/vs-llamacpp, and --llama-venv, default ~/.cache/hybridmoe/llamacpp-venv):
@@ -16,12 +16,17 @@ What it does, each step reused when its output is already there (under --cache, 
 2. The model: `hybridmoe.bench.predicted_vs_measured.qwen_shaped_model` (real dimensions: hidden 2048, 128 experts,
    top-8, moe_intermediate 768, 32 heads, 4 KV heads, head_dim 128, vocab 151936; --layers layers; random bf16
    weights of std 0.02, so routing is near uniform: fine for speed), plus a tokenizer (below). Ours: that
-   checkpoint as it is (bf16; compute dtype "auto"), and `hybridmoe quantize --to int8|int4 --group 32` copies of it.
+   checkpoint as it is (bf16; compute dtype "auto"), and `hybridmoe quantize --to int8|int4 --group 32` copies of it
+   (int4-head4: `--to int4 --lm-head int4`).
    llama.cpp's: its own converter, vendor/llama.cpp/convert_hf_to_gguf.py from the sdist, --outtype bf16 and
    q8_0, and q4_0 quantised from the bf16 GGUF by llama.cpp's `llama_model_quantize` (through llama-cpp-python's
    bindings; the build leaves llama.cpp's tools, llama-quantize among them, out), with llama.cpp's own q4_0 recipe
-   (it keeps the output tensor at q6_K; our int4 keeps the LM head at int8).
-3. Side by side: for each format (bf16/int8/int4 against bf16/q8_0/q4_0), --rounds rounds, each round one run of
+   (it keeps the output tensor at q6_K; our int4 keeps the LM head at int8), and q4_0 with the output tensor in
+   q4_0 too (llama-quantize's `--output-tensor-type q4_0`) against our int4-head4: both engines then read the same
+   bits per weight everywhere, the LM head included, so that pair compares the kernels alone. The LM head is most of
+   a decode step's bytes in a 4-layer model (331 MB in int8 against 67 MB of int4 layers), far less in the real
+   48-layer one (about 1,900 MB a token).
+3. Side by side: for each format (bf16/int8/int4/int4-head4 against bf16/q8_0/q4_0/q4_0-output-q4_0), --rounds rounds, each round one run of
    each engine in a subprocess of its own (no shared memory, threads or allocator), the order flipping every round
    (ours, llama.cpp, llama.cpp, ours, ...) so that a drifting host meets both alike. A run reads the model's files
    once (page cache), loads the model, warms up on a prompt of the same length, then times the prefill of the
@@ -79,7 +84,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 SDIST_NAME = "llama-cpp-python"
 # ours -> llama.cpp's format of the same bits per weight
-PAIRS = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
+PAIRS = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0", "int4-head4": "q4_0-output-q4_0"}
+# `hybridmoe quantize` arguments of our formats
+QUANTIZE = {"int8": ["--to", "int8"], "int4": ["--to", "int4"], "int4-head4": ["--to", "int4", "--lm-head", "int4"]}
 ENGINES = ("ours", "llama.cpp")
 # llama-cpp-python's own dependencies (its pyproject.toml): the build installs the package alone
 SDIST_DEPENDENCIES = ("typing-extensions>=4.5.0", "numpy>=1.20.0", "diskcache>=5.6.1", "jinja2>=2.11.3")
@@ -571,7 +578,7 @@ def ensure_models(args, llama_py: Path, sdist: Path) -> dict[str, dict[str, Path
     args.cache.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(args.cache).free
     log(f"{free / 1e9:.0f} GB free under {args.cache} (at 4 layers: the bf16 checkpoint 6.2 GB, each engine's "
-        "three formats 11.4-12.2 GB)")
+        "four formats 13.6-14.0 GB)")
     base = qwen_shaped_model(args.layers, args.cache)
     if not (base / "tokenizer.json").is_file():
         log("writing the tokenizer (byte-level BPE, 151936 ids)")
@@ -583,8 +590,8 @@ def ensure_models(args, llama_py: Path, sdist: Path) -> dict[str, dict[str, Path
     for fmt in args.formats:
         ours = base if fmt == "bf16" else base.parent / f"{base.name}-{fmt}-g32"
         if fmt != "bf16" and (args.requantize or not (ours / "config.json").is_file()):
-            run([cli, "quantize", "--model", base, "--to", fmt, "--group", "32", "--out", ours, "--overwrite"], 7200,
-                echo=True)
+            run([cli, "quantize", "--model", base, *QUANTIZE[fmt], "--group", "32", "--out", ours, "--overwrite"],
+                7200, echo=True)
         gguf = gguf_dir / f"{base.name}-{PAIRS[fmt]}.gguf"
         if args.requantize or not gguf.is_file():
             if PAIRS[fmt] in ("bf16", "q8_0"):
@@ -847,7 +854,23 @@ def _our_format(model: Path) -> str:
     q = json.loads((model / "config.json").read_text()).get("expert_quantization")
     if not q:
         return "bf16"
-    return f"{q.get('method')} g{q.get('group_size')} {q.get('scope', 'experts')}"
+    head = ""
+    if q.get("scope") == "all":  # the LM head's own format (--lm-head), where it is not the model's
+        import torch
+
+        from hybridmoe.checkpoint.safetensors_reader import CheckpointReader
+
+        reader = CheckpointReader(model)
+        if "lm_head.weight" in reader:
+            dtype = reader.entry("lm_head.weight").dtype
+            stored = {torch.uint8: "int4", torch.int8: "int8"}.get(dtype, str(dtype).removeprefix("torch."))
+            head = f", LM head {stored}" if stored != q.get("method") else ""
+    return f"{q.get('method')} g{q.get('group_size')} {q.get('scope', 'experts')}{head}"
+
+
+def _gguf_format(gguf: Path) -> str:
+    """The llama.cpp format a GGUF of this script's was written in (its name ends with it: PAIRS' values)."""
+    return next(f for f in sorted(PAIRS.values(), key=len, reverse=True) if gguf.stem.endswith("-" + f))
 
 
 def worker_llama(argv: list[str]) -> int:
@@ -894,7 +917,7 @@ def worker_llama(argv: list[str]) -> int:
     r = generate(prompt, a.decode_tokens)
     perf = llama_cpp.llama_perf_context(ctx)
     steps = len(r["tokens"]) - 1
-    result = {"engine": "llama.cpp", "model_format": a.model.stem.rsplit("-", 1)[-1], "prompt_tokens": n,
+    result = {"engine": "llama.cpp", "model_format": _gguf_format(a.model), "prompt_tokens": n,
               "decode_steps": steps, "prefill_s": r["prefill_s"], "decode_s": r["decode_s"],
               "prefill_tok_s": n / r["prefill_s"], "decode_tok_s": steps / r["decode_s"], "load_s": load_s,
               "warm_files_s": warm_s, "prefill_host": r["prefill_host"], "decode_host": r["decode_host"],
@@ -932,7 +955,7 @@ def worker_quantize_gguf(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("source", type=Path)
     p.add_argument("out", type=Path)
-    p.add_argument("type", choices=["q4_0", "q8_0"])
+    p.add_argument("type", choices=["q4_0", "q8_0", "q4_0-output-q4_0"])
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     import ctypes
@@ -940,7 +963,9 @@ def worker_quantize_gguf(argv: list[str]) -> int:
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = {"q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}[a.type]
+    params.ftype = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}.get(a.type, llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0)
+    if a.type == "q4_0-output-q4_0":  # llama-quantize --output-tensor-type q4_0
+        params.output_tensor_type = llama_cpp.GGML_TYPE_Q4_0
     params.nthread = a.threads
     tmp = a.out.with_suffix(".part")
     rc = llama_cpp.llama_model_quantize(str(a.source).encode(), str(tmp).encode(), ctypes.byref(params))

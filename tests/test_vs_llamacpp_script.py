@@ -27,7 +27,7 @@ def vs():
 
 def test_defaults_are_the_issues_case(vs, tmp_path):
     a = vs.parse_args(["--cache", str(tmp_path)])
-    assert (a.layers, a.threads, a.prompt_tokens, a.formats) == (4, 2, 512, ["bf16", "int8", "int4"])
+    assert (a.layers, a.threads, a.prompt_tokens, a.formats) == (4, 2, 512, ["bf16", "int8", "int4", "int4-head4"])
     assert a.cache == tmp_path and a.llama_venv.name == "llamacpp-venv" and a.kernel_timing
 
 
@@ -39,6 +39,12 @@ def test_formats_are_checked(vs):
         vs.parse_formats(",")
     with pytest.raises(SystemExit):
         vs.parse_args(["--threads", "0"])
+
+
+def test_each_gguf_names_its_format(vs, tmp_path):
+    assert [vs._gguf_format(tmp_path / f"bench-qwen3-30b-a3b-4l-{f}.gguf") for f in vs.PAIRS.values()] == list(
+        vs.PAIRS.values())
+    assert set(vs.QUANTIZE) == set(vs.PAIRS) - {"bf16"}
 
 
 def test_schedule_alternates_and_flips(vs):
