@@ -20,6 +20,7 @@
 #include "attention.h"
 #include "cpu_features.h"
 #include "moe.h"
+#include "norm.h"
 #include "numa.h"
 #include "thread_pool.h"
 
@@ -444,6 +445,43 @@ void check_nd(const std::string& what, const A& a, size_t ndim) {
   if (a.shape(ndim - 1) > 1 && a.stride(ndim - 1) != 1) fail(what, "last dim must be contiguous");
 }
 
+// RMSNorm of x's rows into out, after residual += x where a residual is given (hm::rms_norm).
+void rms_norm_py(nb::object x_obj, nb::object weight_obj, nb::object out_obj, double eps, nb::object residual_obj) {
+  const Array x = nb::cast<Array>(x_obj, false);
+  const Array w = nb::cast<Array>(weight_obj, false);
+  const MutArray out = nb::cast<MutArray>(out_obj, false);
+  check_nd("x", x, 2);
+  check_nd("weight", w, 1);
+  check_nd("out", out, 2);
+  check_cpu_dtype("x", x, {kF32, kBF16});
+  RmsNormArgs a;
+  a.rows = x.shape(0);
+  a.dim = x.shape(1);
+  a.bf16 = x.dtype() == kBF16;
+  if (w.dtype() != x.dtype() || out.dtype() != x.dtype())
+    fail("weight", "weight " + dtype_name(w.dtype()) + " and out " + dtype_name(out.dtype()) + " must be x's " +
+                       dtype_name(x.dtype()));
+  if (static_cast<int64_t>(w.shape(0)) != a.dim) fail("weight", "shape " + shape_str(w) + " does not match x " + shape_str(x));
+  if (out.shape(0) != x.shape(0) || out.shape(1) != x.shape(1)) fail("out", "shape " + shape_str(out) + " != x's " + shape_str(x));
+  a.x = x.data();
+  a.x_stride = a.rows > 1 ? x.stride(0) : a.dim;
+  a.weight = w.data();
+  a.out = out.data();
+  a.out_stride = a.rows > 1 ? out.stride(0) : a.dim;
+  a.eps = static_cast<float>(eps);
+  if (!residual_obj.is_none()) {
+    const MutArray res = nb::cast<MutArray>(residual_obj, false);
+    check_nd("residual", res, 2);
+    if (res.dtype() != x.dtype()) fail("residual", "dtype " + dtype_name(res.dtype()) + " != x's " + dtype_name(x.dtype()));
+    if (res.shape(0) != x.shape(0) || res.shape(1) != x.shape(1))
+      fail("residual", "shape " + shape_str(res) + " != x's " + shape_str(x));
+    a.residual = res.data();
+    a.residual_stride = a.rows > 1 ? res.stride(0) : a.dim;
+  }
+  if (a.rows == 0 || a.dim == 0) return;
+  run_sync([&a] { rms_norm(a, global_pool()); });
+}
+
 // out[s, h] = softmax(q[s, h] . K_s^T * scale) V_s over sequence s's context in the paged cache.
 void decode_attention_py(nb::object q_obj, nb::object k_obj, nb::object v_obj, nb::object bt_obj, nb::object sl_obj,
                          nb::object out_obj, double scale, int64_t window) {
@@ -604,6 +642,9 @@ NB_MODULE(_native, mod) {
            "hidden"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "path"_a = "auto",
            "submit + wait in one (blocking; on the calling thread when no submitted job is pending).");
 
+  mod.def("rms_norm", &rms_norm_py, "x"_a, "weight"_a, "out"_a, "eps"_a, "residual"_a.none(),
+          "out = weight * rms-normalised rows of x (blocking), float32 or bfloat16 alike; with a residual, residual += x "
+          "first (in place) and its rows are normalised (the decoder's residual stream and the next norm in one call).");
   mod.def("decode_attention", &decode_attention_py, "q"_a, "k_cache"_a, "v_cache"_a, "block_tables"_a, "seq_lens"_a,
           "out"_a, "scale"_a, "window"_a = 0,
           "Paged decode attention (one query per sequence, blocking): out[s, h] = softmax(q[s, h] . K^T * scale) V "

@@ -39,12 +39,20 @@ class RotaryEmbedding:
     def __init__(self, rope: RopeConfig):
         self.config = rope
         self.inv_freq = inverse_frequencies(rope)
+        # (positions, dtype, cos, sin) of the last call: every layer of a forward asks for the same positions tensor
+        self._last: tuple | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, R/2] (times the YaRN attention factor)."""
+        """positions [T] -> cos, sin [T, R/2] (times the YaRN attention factor); computed once per positions tensor
+        (its identity: the forward's, never written after it is made) and dtype."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         scale = self.config.attention_factor
-        return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
+        cos, sin = (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, N, R] -> rotated [T, N, R].

@@ -22,7 +22,7 @@ from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.layers.moe.backend import ExpertBackend, ExpertWeights
 from hybridmoe.layers.moe.block import MoEBlock
 from hybridmoe.layers.moe.router import Router
-from hybridmoe.layers.norm import rms_norm
+from hybridmoe.layers.norm import add_rms_norm_, rms_norm
 from hybridmoe.layers.paged_attention import AttentionMetadata
 from hybridmoe.layers.rope import RotaryEmbedding
 from hybridmoe.models.attention import Attention, attention_kind
@@ -86,16 +86,19 @@ class MoEDecoderModel:
             return self.dual_batch.forward(self, input_ids, positions, meta, kv_caches, logits_indices)
         if self.device_placement is not None:
             return self._forward_placed(input_ids, positions, meta, kv_caches, logits_indices)
-        eps = self.config.rms_norm_eps
-        h = self.embed[input_ids]  # [T, H]
-        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
-            h = h + layer.attention.forward(rms_norm(h, layer.input_norm, eps), positions, meta, cache)
-            h = h + layer.mlp.forward(rms_norm(h, layer.post_attention_norm, eps))
+        eps, layers = self.config.rms_norm_eps, self.layers
+        h = self.embed[input_ids]  # [T, H], the residual stream (a copy: updated in place below)
+        # each residual add goes with the norm after it (one kernel call): the next layer's input norm, or the last
+        next_norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
+        x = rms_norm(h, layers[0].input_norm if layers else self.norm, eps)  # [T, H]
+        for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
+            x = add_rms_norm_(h, layer.attention.forward(x, positions, meta, cache), layer.post_attention_norm, eps)
+            x = add_rms_norm_(h, layer.mlp.forward(x), next_norms[i], eps)
             for observe in self.layer_observers:
                 observe(i)
         if logits_indices is not None:
-            h = h[logits_indices]
-        return self.lm_head(rms_norm(h, self.norm, eps)).float()
+            x = x[logits_indices]
+        return self.lm_head(x).float()
 
     def _forward_placed(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                         kv_caches: list[torch.Tensor], logits_indices: torch.Tensor | None) -> torch.Tensor:

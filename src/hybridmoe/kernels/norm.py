@@ -1,0 +1,37 @@
+"""RMSNorm on the C++ kernels: a row's norm in one call, and the decoder's residual add fused into it.
+
+`rms_norm(x, weight, eps)` -> weight * x / sqrt(mean(x^2) + eps) over the last dim, computed in float32 (bf16
+rounded as torch's reference rounds it). `add_rms_norm_(residual, x, weight, eps)` adds x into residual in place and
+returns the norm of the sum. x, weight and residual are float32 or bfloat16 alike, on the CPU, last dim contiguous.
+A decode step runs four norms a layer; through torch each costs five ops' dispatch, more than the arithmetic.
+
+Legend: R rows (every leading dim flattened), D the normalised dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.dlpack import to_dlpack
+
+from hybridmoe.kernels import _native
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel computes this norm (else torch does: other dtypes or devices)."""
+    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype
+            and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D], weight [D] -> [..., D] (a new tensor, x's dtype)."""
+    rows = x.reshape(-1, x.shape[-1])  # [R, D], a view where x's leading dims allow
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    _native.rms_norm(to_dlpack(rows), to_dlpack(weight), to_dlpack(out), eps, None)
+    return out.view(x.shape)
+
+
+def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual [R, D] += x [R, D] (in place), -> rms_norm(residual) [R, D]."""
+    out = torch.empty(residual.shape, dtype=residual.dtype)
+    _native.rms_norm(to_dlpack(x), to_dlpack(weight), to_dlpack(out), eps, to_dlpack(residual))
+    return out
