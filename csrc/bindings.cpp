@@ -21,6 +21,7 @@
 #include "cpu_features.h"
 #include "moe.h"
 #include "norm.h"
+#include "rope.h"
 #include "numa.h"
 #include "thread_pool.h"
 
@@ -482,6 +483,46 @@ void rms_norm_py(nb::object x_obj, nb::object weight_obj, nb::object out_obj, do
   run_sync([&a] { rms_norm(a, global_pool()); });
 }
 
+// Rotary embedding of x [T, N, R] into out (hm::rope).
+void rope_py(nb::object x_obj, nb::object cos_obj, nb::object sin_obj, nb::object out_obj, bool interleaved) {
+  const Array x = nb::cast<Array>(x_obj, false);
+  const Array c = nb::cast<Array>(cos_obj, false);
+  const Array s = nb::cast<Array>(sin_obj, false);
+  const MutArray out = nb::cast<MutArray>(out_obj, false);
+  check_nd("x", x, 3);
+  check_nd("out", out, 3);
+  check_nd("cos", c, 2);
+  check_nd("sin", s, 2);
+  check_cpu_dtype("x", x, {kF32, kBF16});
+  RopeArgs a;
+  a.tokens = x.shape(0);
+  a.heads = x.shape(1);
+  a.dim = x.shape(2);
+  a.bf16 = x.dtype() == kBF16;
+  if (a.dim % 2) fail("x", "the rotary dim must be even, got shape " + shape_str(x));
+  for (const auto& [name, arr] : {std::pair<const char*, const Array*>{"cos", &c}, {"sin", &s}}) {
+    if (arr->dtype() != x.dtype()) fail(name, "dtype " + dtype_name(arr->dtype()) + " != x's " + dtype_name(x.dtype()));
+    if (static_cast<int64_t>(arr->shape(0)) != a.tokens || static_cast<int64_t>(arr->shape(1)) != a.dim / 2 ||
+        (a.tokens > 1 && arr->stride(0) != a.dim / 2))
+      fail(name, "must be contiguous [" + std::to_string(a.tokens) + ", " + std::to_string(a.dim / 2) + "], got " +
+                     shape_str(*arr));
+  }
+  if (out.dtype() != x.dtype()) fail("out", "dtype " + dtype_name(out.dtype()) + " != x's " + dtype_name(x.dtype()));
+  if (out.shape(0) != x.shape(0) || out.shape(1) != x.shape(1) || out.shape(2) != x.shape(2))
+    fail("out", "shape " + shape_str(out) + " != x's " + shape_str(x));
+  a.x = x.data();
+  a.x_token = x.stride(0);
+  a.x_head = x.stride(1);
+  a.out = out.data();
+  a.out_token = out.stride(0);
+  a.out_head = out.stride(1);
+  a.cos = c.data();
+  a.sin = s.data();
+  a.interleaved = interleaved;
+  if (a.tokens == 0 || a.heads == 0 || a.dim == 0) return;
+  run_sync([&a] { rope(a, global_pool()); });
+}
+
 // out[s, h] = softmax(q[s, h] . K_s^T * scale) V_s over sequence s's context in the paged cache.
 void decode_attention_py(nb::object q_obj, nb::object k_obj, nb::object v_obj, nb::object bt_obj, nb::object sl_obj,
                          nb::object out_obj, double scale, int64_t window) {
@@ -642,6 +683,9 @@ NB_MODULE(_native, mod) {
            "hidden"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "path"_a = "auto",
            "submit + wait in one (blocking; on the calling thread when no submitted job is pending).");
 
+  mod.def("rope", &rope_py, "x"_a, "cos"_a, "sin"_a, "out"_a, "interleaved"_a,
+          "Rotary embedding (blocking): out[t, n] = (x1 c - x2 s, x2 c + x1 s) over x [T, N, R]'s pairs (interleaved "
+          "or half-split), cos / sin [T, R/2]; the result in half-split layout; float32 or bfloat16 alike; out may be x.");
   mod.def("rms_norm", &rms_norm_py, "x"_a, "weight"_a, "out"_a, "eps"_a, "residual"_a.none(),
           "out = weight * rms-normalised rows of x (blocking), float32 or bfloat16 alike; with a residual, residual += x "
           "first (in place) and its rows are normalised (the decoder's residual stream and the next norm in one call).");

@@ -10,6 +10,7 @@ import math
 import torch
 
 from hybridmoe.config import RopeConfig
+from hybridmoe.kernels import rope as kernel
 
 
 def inverse_frequencies(rope: RopeConfig) -> torch.Tensor:
@@ -59,7 +60,10 @@ class RotaryEmbedding:
 
         Interleaved (DeepSeek): pairs (x0, x1), (x2, x3), .. rotate together and the result comes out in half-split
         layout (evens then odds); applied alike to q and k, so dot products are those of the interleaved rotation.
+        On the C++ kernels where they apply (CPU, float32 or bfloat16), else through torch.
         """
+        if kernel.applies(x, cos):
+            return kernel.rope(x, cos, sin, self.config.interleaved)
         c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, R/2]
         if self.config.interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]

@@ -1,0 +1,29 @@
+"""Rotary position embedding on the C++ kernels: a query or key tensor rotated in one call.
+
+`rope(x, cos, sin, interleaved)` -> x [T, N, R] rotated by cos / sin [T, R/2] (x's dtype, float32 or bfloat16, on
+the CPU), in half-split layout either way, as layers/rope.py's torch version; in bfloat16 each product and sum is
+rounded as torch's ops round them. x may be a strided view (MLA's rope half of the query).
+
+Legend: T tokens, N heads, R rotary dims.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.dlpack import to_dlpack
+
+from hybridmoe.kernels import _native
+
+
+def applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether the kernel rotates x (else torch does: other dtypes or devices)."""
+    return (x.device.type == "cpu" and x.dim() == 3 and x.dtype in (torch.float32, torch.bfloat16)
+            and cos.dtype == x.dtype and x.stride(-1) == 1 and cos.is_contiguous()
+            and x.shape[-1] == 2 * cos.shape[-1])
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x [T, N, R], cos and sin [T, R/2] -> rotated [T, N, R] (a new tensor)."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _native.rope(to_dlpack(x), to_dlpack(cos), to_dlpack(sin), to_dlpack(out), interleaved)
+    return out
