@@ -8,6 +8,9 @@ Modules:
   weights    wrapping tensors (zero-copy) as kernel matrices, with format checks
   moe        FusedMoE: one layer's routed experts on the C++ kernels, submit/wait asynchronously; matmul (one
              projection) and matmul_heads (one matrix per head, MLA's absorbed kv_b_proj)
+  attention  paged decode attention over the KV cache, read in place
+  norm       RMSNorm, with the decoder's residual add fused in
+  rope       rotary position embedding of a query or key tensor
 
 Imports nothing of ours except hybridmoe.config.
 """
