@@ -30,6 +30,16 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+// Element i of a float32 or bf16 array as float32, and v stored into one (bf16 rounded to nearest even).
+inline float load_f32_or_bf16(const void* p, int64_t i, bool bf16) {
+  return bf16 ? bf16_to_float(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+inline void store_f32_or_bf16(void* p, int64_t i, float v, bool bf16) {
+  if (bf16) static_cast<uint16_t*>(p)[i] = float_to_bf16(v);
+  else static_cast<float*>(p)[i] = v;
+}
+
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const int exp = (h >> 10) & 0x1F;

@@ -25,7 +25,7 @@ struct RmsNormArgs {
 
 // out[r] = weight * (v[r] / sqrt(mean(v[r]^2) + eps)) with v = x (or residual after residual += x), computed in
 // float32 and rounded to bf16 as torch's reference does: the normalised row to bf16, then times the weight.
-// Rows are split over the pool when there are enough of them to pay for it.
+// Rows are split over the pool from 64K values (for_item_blocks).
 void rms_norm(const RmsNormArgs& a, ThreadPool& pool);
 
 }  // namespace hm

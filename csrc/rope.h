@@ -24,7 +24,7 @@ struct RopeArgs {
 
 // out[t, n] = (x1 * c - x2 * s, x2 * c + x1 * s) with c, s = cos[t], sin[t] and (x1, x2) the row's pairs; the
 // result is in half-split layout either way (as layers/rope.py's torch version). In bf16 every product and sum is
-// rounded as torch's ops round them. Tokens are split over the pool from 64K values.
+// rounded as torch's ops round them. Tokens are split over the pool from 64K values (for_item_blocks).
 void rope(const RopeArgs& a, ThreadPool& pool);
 
 }  // namespace hm

@@ -4,6 +4,7 @@
 // jobs in order, so that Python can submit work and wait for it later.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -129,6 +130,17 @@ class Executor {
 // (default_numa_topology) with HYBRIDMOE_NUM_THREADS threads or one per CPU of the topology (one node: the CPUs
 // this process may run on, unpinned); with several nodes threads are split over the nodes in proportion to
 // their CPUs and pinned to them. configure_threads / configure_numa replace it (after in-flight jobs finish).
+// fn(begin, end) over [0, count) in blocks of at least kSmallOpBlockValues values (items of per_item values): on
+// the calling thread when that is one block (a hand-off to the pool costs more than a small op), else on the pool.
+constexpr int64_t kSmallOpBlockValues = 1 << 16;
+template <class Fn>
+void for_item_blocks(ThreadPool& pool, int64_t count, int64_t per_item, Fn&& fn) {
+  const int64_t per_block = std::max<int64_t>(1, kSmallOpBlockValues / std::max<int64_t>(1, per_item));
+  const int64_t blocks = (count + per_block - 1) / per_block;
+  if (blocks <= 1) return fn(int64_t{0}, count);
+  pool.parallel_for(blocks, [&](int64_t b, int) { fn(b * per_block, std::min(count, (b + 1) * per_block)); });
+}
+
 ThreadPool& global_pool();
 Executor& global_executor();
 // Same topology, `num_threads` threads; `cpus` pins them (one node only: with several, threads follow nodes).
