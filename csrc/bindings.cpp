@@ -484,7 +484,8 @@ void rms_norm_py(nb::object x_obj, nb::object weight_obj, nb::object out_obj, do
 }
 
 // Rotary embedding of x [T, N, R] into out (hm::rope).
-void rope_py(nb::object x_obj, nb::object cos_obj, nb::object sin_obj, nb::object out_obj, bool interleaved) {
+void rope_py(nb::object x_obj, nb::object cos_obj, nb::object sin_obj, nb::object out_obj, bool interleaved,
+             nb::object norm_obj, double eps) {
   const Array x = nb::cast<Array>(x_obj, false);
   const Array c = nb::cast<Array>(cos_obj, false);
   const Array s = nb::cast<Array>(sin_obj, false);
@@ -519,6 +520,14 @@ void rope_py(nb::object x_obj, nb::object cos_obj, nb::object sin_obj, nb::objec
   a.cos = c.data();
   a.sin = s.data();
   a.interleaved = interleaved;
+  if (!norm_obj.is_none()) {
+    const Array w = nb::cast<Array>(norm_obj, false);
+    check_nd("norm_weight", w, 1);
+    if (w.dtype() != x.dtype()) fail("norm_weight", "dtype " + dtype_name(w.dtype()) + " != x's " + dtype_name(x.dtype()));
+    if (static_cast<int64_t>(w.shape(0)) != a.dim) fail("norm_weight", "shape " + shape_str(w) + " does not match x " + shape_str(x));
+    a.norm_weight = w.data();
+    a.eps = static_cast<float>(eps);
+  }
   if (a.tokens == 0 || a.heads == 0 || a.dim == 0) return;
   run_sync([&a] { rope(a, global_pool()); });
 }
@@ -683,9 +692,11 @@ NB_MODULE(_native, mod) {
            "hidden"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "path"_a = "auto",
            "submit + wait in one (blocking; on the calling thread when no submitted job is pending).");
 
-  mod.def("rope", &rope_py, "x"_a, "cos"_a, "sin"_a, "out"_a, "interleaved"_a,
+  mod.def("rope", &rope_py, "x"_a, "cos"_a, "sin"_a, "out"_a, "interleaved"_a, "norm_weight"_a.none() = nb::none(),
+          "eps"_a = 1e-6,
           "Rotary embedding (blocking): out[t, n] = (x1 c - x2 s, x2 c + x1 s) over x [T, N, R]'s pairs (interleaved "
-          "or half-split), cos / sin [T, R/2]; the result in half-split layout; float32 or bfloat16 alike; out may be x.");
+          "or half-split), cos / sin [T, R/2]; the result in half-split layout; float32 or bfloat16 alike; out may be x. "
+          "norm_weight [R]: each row RMS-normalised by it first, as rms_norm would (Qwen3's q / k norms).");
   mod.def("rms_norm", &rms_norm_py, "x"_a, "weight"_a, "out"_a, "eps"_a, "residual"_a.none(),
           "out = weight * rms-normalised rows of x (blocking), float32 or bfloat16 alike; with a residual, residual += x "
           "first (in place) and its rows are normalised (the decoder's residual stream and the next norm in one call).");

@@ -23,22 +23,28 @@ void norm_row(const RmsNormArgs& a, int64_t r, float* v) {
   } else {
     for (int64_t i = 0; i < D; ++i) v[i] = load_f32_or_bf16(x, i, a.bf16);
   }
-  float squares[8] = {};  // eight partial sums: vectorisable, and closer to torch's pairwise mean than one chain
-  int64_t i = 0;
-  for (; i + 8 <= D; i += 8)
-    for (int j = 0; j < 8; ++j) squares[j] += v[i + j] * v[i + j];
-  float total = 0.0f;
-  for (; i < D; ++i) total += v[i] * v[i];
-  for (int j = 0; j < 8; ++j) total += squares[j];
-  const float inv = 1.0f / std::sqrt(total / static_cast<float>(D) + a.eps);
-  for (int64_t k = 0; k < D; ++k) {
-    float normed = v[k] * inv;
-    if (a.bf16) normed = bf16_to_float(float_to_bf16(normed));
-    store_f32_or_bf16(out, k, load_f32_or_bf16(a.weight, k, a.bf16) * normed, a.bf16);
-  }
+  rms_norm_row(v, D, a.weight, a.bf16, a.eps);
+  for (int64_t k = 0; k < D; ++k) store_f32_or_bf16(out, k, v[k], a.bf16);
 }
 
 }  // namespace
+
+void rms_norm_row(float* v, int64_t dim, const void* weight, bool bf16, float eps) {
+  float squares[8] = {};  // eight partial sums: vectorisable, and closer to torch's pairwise mean than one chain
+  int64_t i = 0;
+  for (; i + 8 <= dim; i += 8)
+    for (int j = 0; j < 8; ++j) squares[j] += v[i + j] * v[i + j];
+  float total = 0.0f;
+  for (; i < dim; ++i) total += v[i] * v[i];
+  for (int j = 0; j < 8; ++j) total += squares[j];
+  const float inv = 1.0f / std::sqrt(total / static_cast<float>(dim) + eps);
+  for (int64_t k = 0; k < dim; ++k) {
+    float normed = v[k] * inv;
+    if (bf16) normed = bf16_to_float(float_to_bf16(normed));
+    const float scaled = load_f32_or_bf16(weight, k, bf16) * normed;
+    v[k] = bf16 ? bf16_to_float(float_to_bf16(scaled)) : scaled;
+  }
+}
 
 void rms_norm(const RmsNormArgs& a, ThreadPool& pool) {
   for_item_blocks(pool, a.rows, a.dim, [&](int64_t begin, int64_t end) {

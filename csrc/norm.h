@@ -28,4 +28,8 @@ struct RmsNormArgs {
 // Rows are split over the pool from 64K values (for_item_blocks).
 void rms_norm(const RmsNormArgs& a, ThreadPool& pool);
 
+// One row v [D] (float32, values of the arrays' dtype) normalised in place as rms_norm does, weight [D] in that
+// dtype, the result rounded to it (bf16) so that it equals what rms_norm stores.
+void rms_norm_row(float* v, int64_t dim, const void* weight, bool bf16, float eps);
+
 }  // namespace hm

@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "fp_convert.h"
+#include "norm.h"
 
 namespace hm {
 namespace {
@@ -18,6 +19,7 @@ void rope_token(const RopeArgs& a, int64_t t, std::vector<float>& row) {
     const void* x = static_cast<const char*>(a.x) + (t * a.x_token + n * a.x_head) * esize;
     void* out = static_cast<char*>(a.out) + (t * a.out_token + n * a.out_head) * esize;
     for (int64_t i = 0; i < a.dim; ++i) row[i] = load_f32_or_bf16(x, i, a.bf16);  // read first: out may be x
+    if (a.norm_weight) rms_norm_row(row.data(), a.dim, a.norm_weight, a.bf16, a.eps);
     for (int64_t i = 0; i < half; ++i) {
       const float x1 = a.interleaved ? row[2 * i] : row[i], x2 = a.interleaved ? row[2 * i + 1] : row[i + half];
       const float ci = load_f32_or_bf16(c, i, a.bf16), si = load_f32_or_bf16(s, i, a.bf16);

@@ -20,9 +20,12 @@ struct RopeArgs {
   int64_t tokens = 0, heads = 0, dim = 0;
   bool bf16 = false;         // every array bfloat16, else float32
   bool interleaved = false;  // pairs (x0, x1), (x2, x3), ... (DeepSeek) rather than (x_i, x_{i+R/2})
+  const void* norm_weight = nullptr;  // [R] or null: each row RMS-normalised first (Qwen3's q_norm / k_norm)
+  float eps = 1e-6f;
 };
 
-// out[t, n] = (x1 * c - x2 * s, x2 * c + x1 * s) with c, s = cos[t], sin[t] and (x1, x2) the row's pairs; the
+// out[t, n] = (x1 * c - x2 * s, x2 * c + x1 * s) with c, s = cos[t], sin[t] and (x1, x2) the pairs of the row (or of
+// its rms_norm_row by norm_weight, the same values rms_norm would store); the
 // result is in half-split layout either way (as layers/rope.py's torch version). In bf16 every product and sum is
 // rounded as torch's ops round them. Tokens are split over the pool from 64K values (for_item_blocks).
 void rope(const RopeArgs& a, ThreadPool& pool);

@@ -78,3 +78,22 @@ def test_bad_shapes_are_clear_errors():
                      False)
     with pytest.raises(ValueError, match="sin: dtype bfloat16 != x's float32"):
         _native.rope(to_dlpack(x), to_dlpack(cos), to_dlpack(sin.bfloat16()), to_dlpack(out), False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norm_before_the_rotation_is_rms_norms(dtype):
+    """Qwen3's q / k norm fused into the rotation gives the bits of the norm kernel, then the rotation."""
+    from hybridmoe.kernels import norm as norm_kernel
+
+    gen = torch.Generator().manual_seed(3)
+    x = (2 * torch.randn(3, 4, 64, generator=gen)).to(dtype)
+    weight = (1 + 0.1 * torch.randn(64, generator=gen)).to(dtype)
+    cos, sin = _cos_sin(3, 32, dtype, 5)
+    fused = kernel.rope(x, cos, sin, False, weight, 1e-6)
+    assert torch.equal(fused, kernel.rope(norm_kernel.rms_norm(x, weight, 1e-6), cos, sin, False))
+    rotary = layer.RotaryEmbedding(RopeConfig(theta=10000.0, rotary_dim=64))
+    assert torch.equal(rotary.apply(x, cos, sin, weight, 1e-6), fused)
+    half = x.half()  # torch's path: the same norm, then the rotation
+    expected = _torch_rope(norm_kernel.rms_norm(x.float(), weight.float(), 1e-6).half(), cos.half(), sin.half(), False)
+    torch.testing.assert_close(rotary.apply(half, cos.half(), sin.half(), weight.half(), 1e-6), expected,
+                               rtol=1e-2, atol=1e-2)

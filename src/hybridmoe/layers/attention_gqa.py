@@ -12,7 +12,6 @@ import torch
 
 from hybridmoe.config import ModelConfig
 from hybridmoe.layers.linear import Linear
-from hybridmoe.layers.norm import rms_norm
 from hybridmoe.layers.paged_attention import (AttentionMetadata, attend, decode_kernel_seqs, gather_context,
                                               paged_decode, write_to_cache)
 from hybridmoe.layers.rope import RotaryEmbedding
@@ -49,10 +48,9 @@ class GQAttention:
         q = w.q_proj(x).view(num_tokens, cfg.num_heads, cfg.head_dim)
         k = w.k_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = w.v_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        if w.q_norm is not None:
-            q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        # Qwen3's per-head q / k RMSNorms (where the model has them) go with the rotation: one kernel call each
+        q, k = self.rope.apply(q, cos, sin, w.q_norm, self.eps), self.rope.apply(k, cos, sin, w.k_norm, self.eps)
         write_to_cache(cache[0], meta.slot_mapping, k)
         write_to_cache(cache[1], meta.slot_mapping, v)
         out = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=x.dtype, device=x.device)

@@ -11,6 +11,7 @@ import torch
 
 from hybridmoe.config import RopeConfig
 from hybridmoe.kernels import rope as kernel
+from hybridmoe.layers.norm import rms_norm
 
 
 def inverse_frequencies(rope: RopeConfig) -> torch.Tensor:
@@ -55,15 +56,19 @@ class RotaryEmbedding:
         self._last = (positions, dtype, cos, sin)
         return cos, sin
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, N, R] -> rotated [T, N, R].
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor | None = None,
+              eps: float = 1e-6) -> torch.Tensor:
+        """x [T, N, R] -> rotated [T, N, R]; with norm [R], rms_norm(x, norm, eps) rotated (Qwen3's q / k norms).
 
         Interleaved (DeepSeek): pairs (x0, x1), (x2, x3), .. rotate together and the result comes out in half-split
         layout (evens then odds); applied alike to q and k, so dot products are those of the interleaved rotation.
-        On the C++ kernels where they apply (CPU, float32 or bfloat16), else through torch.
+        On the C++ kernels where they apply (CPU, float32 or bfloat16: the norm and the rotation in one call), else
+        through torch.
         """
-        if kernel.applies(x, cos):
-            return kernel.rope(x, cos, sin, self.config.interleaved)
+        if kernel.applies(x, cos, norm):
+            return kernel.rope(x, cos, sin, self.config.interleaved, norm, eps)
+        if norm is not None:
+            x = rms_norm(x, norm, eps)
         c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, R/2]
         if self.config.interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
