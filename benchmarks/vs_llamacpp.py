@@ -26,10 +26,10 @@ What it does, each step reused when its output is already there (under --cache, 
    bits per weight everywhere, the LM head included, so that pair compares the kernels alone. The LM head is most of
    a decode step's bytes in a 4-layer model (331 MB in int8 against 67 MB of int4 layers), far less in the real
    48-layer one (about 1,900 MB a token).
-3. Side by side: for each format (bf16/int8/int4/int4-head4 against bf16/q8_0/q4_0/q4_0-output-q4_0), --rounds rounds, each round one run of
-   each engine in a subprocess of its own (no shared memory, threads or allocator), the order flipping every round
-   (ours, llama.cpp, llama.cpp, ours, ...) so that a drifting host meets both alike. A run reads the model's files
-   once (page cache), loads the model, warms up on a prompt of the same length, then times the prefill of the
+3. Side by side: for each format (bf16/int8/int4/int4-head4 against bf16/q8_0/q4_0/q4_0-output-q4_0), --rounds rounds,
+   each round one run of each engine in a subprocess of its own (no shared memory, threads or allocator), the order
+   flipping every round (ours, llama.cpp, llama.cpp, ours, ...) so that a drifting host meets both alike. A run
+   reads the model's files once (page cache), loads the model, warms up on a prompt of the same length, then times the prefill of the
    same --prompt-tokens token ids (given as ids: the tokenizers do not matter) and --decode-tokens greedy decode
    steps after it (EOS ignored), --threads threads each (llama.cpp: n_threads = n_threads_batch, n_batch =
    n_ubatch = the prompt; ours: torch.set_num_threads, isa.configure_threads, HYBRIDMOE_NUM_THREADS). Prefill

@@ -1,13 +1,13 @@
 """Held-out perplexity of int8/int4 copies of the demo model, through hybridmoe's own engine, against BF16.
 
-Each variant is written by `hybridmoe quantize` into a temporary directory: every projection (scope "all":
-attention, dense and shared MLPs, routed experts, the LM head in int8, or for the "-head-int4" variants in int4
-(`--lm-head int4`); embeddings, norms, routers and MLA's kv_b_proj stay BF16) or the routed experts alone
-(--experts-only), int8 or int4 per group of 32 (and 128) columns. Each model, the BF16 original included, is loaded by hybridmoe.models.loader.load_model in float32
-compute on the CPU kernels (the int formats run in their stored format: int weights, activations quantised to
-int8 per group) and scored by evaluate.heldout_perplexity: per source (fortunes, python_docs, chat), 512-token
-windows over the first --heldout-tokens of its held-out documents. Writes results/quantized_eval.json and prints
-ppl per source and the change against BF16.
+Each variant is written by `hybridmoe quantize` into a temporary directory: every projection (scope "all": attention,
+dense and shared MLPs, routed experts, the LM head in int8, or for the "-head-int4" variants in int4 (`--lm-head int4`);
+embeddings, norms, routers and MLA's kv_b_proj stay BF16) or the routed experts alone (--experts-only), int8 or int4 per
+group of 32 (and 128) columns. Each model, the BF16 original included, is loaded by hybridmoe.models.loader.load_model
+in float32 compute on the CPU kernels (the int formats run in their stored format: int weights, activations quantised to
+int8 per group) and scored by evaluate.heldout_perplexity: per source (fortunes, python_docs, chat), 512-token windows
+over the first --heldout-tokens of its held-out documents. Writes results/quantized_eval.json and prints ppl per source
+and the change against BF16.
 
 Run: .venv/bin/python training/quantized_eval.py [--heldout-tokens 4096] [--groups 32] [--variants NAME,...]
 (MODEL_CARD.md's table: --heldout-tokens 40000 --groups 32,128, evaluate.py's budget; about 30 minutes on 2 cores)

@@ -46,8 +46,8 @@ def test_the_residual_add_is_fused_and_in_place(dtype):
     before = residual.data_ptr()
     out = add_rms_norm_(residual, x, weight, 1e-5)
     assert residual.data_ptr() == before and torch.equal(residual, expected_sum)
-    torch.testing.assert_close(out.float(), _torch(expected_sum, weight, 1e-5).float(),
-                               rtol=2e-6 if dtype == torch.float32 else 1.6e-2, atol=1e-6 if dtype == torch.float32 else 1e-2)
+    rtol, atol = (2e-6, 1e-6) if dtype == torch.float32 else (1.6e-2, 1e-2)
+    torch.testing.assert_close(out.float(), _torch(expected_sum, weight, 1e-5).float(), rtol=rtol, atol=atol)
 
 
 def test_rows_of_a_strided_view_and_leading_dims():
@@ -67,7 +67,8 @@ def test_other_dtypes_and_mixed_ones_go_through_torch():
     assert not kernel.applies(x, w)
     residual, delta = torch.randn(2, 32), torch.randn(2, 32).bfloat16()
     expected = residual + delta
-    torch.testing.assert_close(add_rms_norm_(residual, delta, torch.ones(32), 1e-6), _torch(expected, torch.ones(32), 1e-6))
+    ones = torch.ones(32)
+    torch.testing.assert_close(add_rms_norm_(residual, delta, ones, 1e-6), _torch(expected, ones, 1e-6))
 
 
 def test_bad_shapes_are_clear_errors():

@@ -51,7 +51,8 @@ def test_a_strided_view_and_the_layer_takes_the_kernel():
     torch.testing.assert_close(rotary.apply(q_pe, cos, sin), _torch_rope(q_pe, cos, sin, True), rtol=1e-6, atol=1e-6)
     half = q_pe.half()
     assert not kernel.applies(half, cos.half())  # float16: torch's path
-    torch.testing.assert_close(rotary.apply(half, cos.half(), sin.half()), _torch_rope(half, cos.half(), sin.half(), True))
+    cos16, sin16 = cos.half(), sin.half()
+    torch.testing.assert_close(rotary.apply(half, cos16, sin16), _torch_rope(half, cos16, sin16, True))
 
 
 def test_cos_and_sin_are_computed_once_per_positions_tensor():

@@ -3,20 +3,20 @@
 weights -> int4 or int8 per group for the CPU kernels, as llama.cpp's q4_0/q8_0 files do (default model: the
 embedded demo model).
 
-Reads BF16/FP16/FP32 or FP8 (block-scaled, dequantised exactly) weights from a checkpoint directory and writes a
-copy in which every projection is replaced by its int codes under the same name (int4: uint8 [N, Kp/2], two codes
-per byte; int8: int8 [N, Kp]; layout in hybridmoe.kernels.formats) plus `<name>_scale` (bfloat16/float16
-[N, Kp/g]): the routed experts (`...experts.N.{gate,up,down}_proj.weight`, Mixtral's `w1/w3/w2`) and, unless
---experts-only, attention projections, dense and shared-expert MLPs and the LM head. The LM head is written in
-int8 by default even for --to int4: its error goes straight into every logit, and it is one matrix (llama.cpp's
-k-quant mixes likewise keep the output tensor at 6-8 bits). `--lm-head int4` trades that for speed: the LM head
-is the largest matrix a decode step reads (Qwen3-30B-A3B in int4: 331 of about 1,900 MB a token in int8, 175 in
-int4), at the perplexity cost MODEL_CARD.md reports; `--lm-head keep` leaves it at its precision. Embeddings, norms, routers (their choice of experts is
-sensitive and they are small) and MLA's kv_b_proj (absorbed per head into the query and the output) stay as
-they are, like everything else, copied shard by shard. config.json gains `expert_quantization` = {"method",
-"group_size", "scale_dtype", "layout", "scope": "all" | "experts"}. The copy is written next to DIR2 and moved
-into place when complete, its files readable as the umask allows; an existing DIR2 is replaced only with
---overwrite (and only when it is a model directory or empty).
+Reads BF16/FP16/FP32 or FP8 (block-scaled, dequantised exactly) weights from a checkpoint directory and writes a copy in
+which every projection is replaced by its int codes under the same name (int4: uint8 [N, Kp/2], two codes per byte;
+int8: int8 [N, Kp]; layout in hybridmoe.kernels.formats) plus `<name>_scale` (bfloat16/float16 [N, Kp/g]): the routed
+experts (`...experts.N.{gate,up,down}_proj.weight`, Mixtral's `w1/w3/w2`) and, unless --experts-only, attention
+projections, dense and shared-expert MLPs and the LM head. The LM head is written in int8 by default even for --to int4:
+its error goes straight into every logit, and it is one matrix (llama.cpp's k-quant mixes likewise keep the output
+tensor at 6-8 bits). `--lm-head int4` trades that for speed: the LM head is the largest matrix a decode step reads
+(Qwen3-30B-A3B in int4: 331 of about 1,900 MB a token in int8, 175 in int4), at the perplexity cost MODEL_CARD.md
+reports; `--lm-head keep` leaves it at its precision. Embeddings, norms, routers (their choice of experts is sensitive
+and they are small) and MLA's kv_b_proj (absorbed per head into the query and the output) stay as they are, like
+everything else, copied shard by shard. config.json gains `expert_quantization` = {"method", "group_size",
+"scale_dtype", "layout", "scope": "all" | "experts"}. The copy is written next to DIR2 and moved into place when
+complete, its files readable as the umask allows; an existing DIR2 is replaced only with --overwrite (and only when it
+is a model directory or empty).
 
 Afterwards it reports the output error of a sample of experts and of other projections, computed by the CPU
 kernels from the written int weights, against the source weights in float64 on random sample activations.
@@ -119,8 +119,8 @@ def run(args) -> int:
     if not experts:
         raise ValueError(f"{src}: no routed-expert weights found (names like ...experts.N.gate_proj.weight)")
     targets = {name: args.to for triple in experts.values() for name in triple}
-    others = projection_names(reader.names(), args.experts_only, args.lm_head)
-    targets.update({name: fmt or args.to for name, fmt in others.items()})
+    projections = projection_names(reader.names(), args.experts_only, args.lm_head)
+    targets.update({name: fmt or args.to for name, fmt in projections.items()})
     dst.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     try:
