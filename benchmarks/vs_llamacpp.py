@@ -32,7 +32,8 @@ What it does, each step reused when its output is already there (under --cache, 
    reads the model's files once (page cache), loads the model, warms up on a prompt of the same length, then times the prefill of the
    same --prompt-tokens token ids (given as ids: the tokenizers do not matter) and --decode-tokens greedy decode
    steps after it (EOS ignored), --threads threads each (llama.cpp: n_threads = n_threads_batch, n_batch =
-   n_ubatch = the prompt; ours: torch.set_num_threads, isa.configure_threads, HYBRIDMOE_NUM_THREADS). Prefill
+   n_ubatch = the prompt, its default float16 KV cache; ours: torch.set_num_threads, isa.configure_threads,
+   HYBRIDMOE_NUM_THREADS, a --kv-cache-dtype KV cache, float16 by default as llama.cpp's). Prefill
    tok/s = prompt tokens / time to the first token; decode tok/s = decode steps / time from the first token to the
    last (each engine's own greedy pick included). The machine's read bandwidth (hybridmoe's probe,
    `_native.measure_read_bandwidth`, --threads threads over 4x the last-level cache) is measured before and after
@@ -128,6 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-cflags", default=NO_AMX,
                    help=f"CFLAGS/CXXFLAGS of the llama.cpp build (default {NO_AMX!r}: see NO_AMX); a venv built "
                         "with other flags is rebuilt")
+    p.add_argument("--kv-cache-dtype", default="float16", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="our KV cache's dtype (default float16, llama.cpp's own default; auto: our compute dtype, "
+                        "float32 on a CPU without bf16 units)")
     p.add_argument("--requantize", action="store_true",
                    help="rewrite our int8/int4 copies and the GGUFs even if present (after the engine changed)")
     p.add_argument("--no-kernel-timing", dest="kernel_timing", action="store_false",
@@ -639,7 +643,8 @@ def engine_run(args, engine: str, model: Path, llama_py: Path, prompt_file: Path
     env = {"OMP_NUM_THREADS": str(args.threads), "HYBRIDMOE_NUM_THREADS": str(args.threads)}
     common = ["--threads", args.threads, "--prompt", prompt_file, "--decode-tokens", args.decode_tokens]
     if engine == "ours":
-        cmd = [sys.executable, HERE, "_ours", model, *common] + (["--kernel-timing"] if kernel_timing else [])
+        cmd = [sys.executable, HERE, "_ours", model, *common, "--kv-cache-dtype", args.kv_cache_dtype] + (
+            ["--kernel-timing"] if kernel_timing else [])
     else:
         cmd = [llama_py, HERE, "_llama", model, *common]
     return parse_result(run(cmd, args.run_timeout, env=env))
@@ -739,6 +744,7 @@ def _worker_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt", type=Path, required=True)
     p.add_argument("--decode-tokens", type=int, required=True)
     p.add_argument("--kernel-timing", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto")
     return p.parse_args(argv)
 
 
@@ -809,7 +815,8 @@ def worker_ours(argv: list[str]) -> int:
     prompt = json.loads(a.prompt.read_text())
     warm_s = warm_files(sorted(a.model.glob("*.safetensors")))
     t = time.perf_counter()
-    engine = LLMEngine(a.model, EngineConfig(dtype="auto", kv_cache_gb=0.25, enable_prefix_caching=False,
+    engine = LLMEngine(a.model, EngineConfig(dtype="auto", kv_cache_gb=0.25, kv_cache_dtype=a.kv_cache_dtype,
+                                             enable_prefix_caching=False,
                                              max_num_batched_tokens=max(2048, len(prompt))), show_progress=False)
     load_s = time.perf_counter() - t
 
@@ -841,7 +848,8 @@ def worker_ours(argv: list[str]) -> int:
               "prefill_tok_s": len(prompt) / r["prefill_s"], "decode_tok_s": steps / r["decode_s"],
               "load_s": load_s, "warm_files_s": warm_s, "prefill_host": r["prefill_host"],
               "decode_host": r["decode_host"], "tokens": r["tokens"],
-              "torch_threads": torch.get_num_threads(), "dtype": str(resolve_dtype("auto"))}
+              "torch_threads": torch.get_num_threads(), "dtype": str(resolve_dtype("auto")),
+              "kv_cache_dtype": str(engine.runner.kv_dtype)}
     if a.kernel_timing:
         result["kernel_timing"] = {"wrapped": wrapped, "kernel_s": state["kernel_s"], "decode_s": r["decode_s"],
                                    "fraction": state["kernel_s"] / r["decode_s"],

@@ -182,6 +182,7 @@ def test_an_aborted_request_is_reported_once_by_the_next_step(model_dir):
     ("max_num_seqs", 2.5, "max_num_seqs must be an integer >= 1, got 2.5"),
     ("max_num_batched_tokens", -8, "max_num_batched_tokens must be an integer >= 1"),
     ("max_model_len", 0, "max_model_len must be an integer >= 1"),
+    ("kv_cache_dtype", "int8", r"kv_cache_dtype must be one of \['auto', 'float32', 'bfloat16', 'float16'\], got 'int8'"),
 ])
 def test_engine_options_are_checked_when_given(option, value, message):
     with pytest.raises(ValueError, match=message):

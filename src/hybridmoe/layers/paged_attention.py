@@ -102,6 +102,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, slid
     """q [Q, N, D], k [C, Nk, D], v [C, Nk, Dv] (N a multiple of Nk) -> [Q, N, Dv], causal over the context;
     keys where dropped [C] is True are masked out."""
     mask = attention_mask(q.shape[0], k.shape[0], sliding_window, q.device)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a cache in another dtype (kv_cache_dtype): SDPA wants one dtype
     if dropped is not None:
         keep = ~dropped.to(torch.bool)[None, :]  # [1, C]
         mask = keep.expand(q.shape[0], -1) if mask is None else mask & keep

@@ -74,9 +74,10 @@ class MoEDecoderModel:
         """Shape of one layer's KV cache tensor."""
         return attention_kind(self.config).cache_shape(self.config, num_blocks, block_size)
 
-    def kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype | None = None) -> int:
+        """Bytes of KV cache a token takes over all layers, in kv_dtype (default: the compute dtype)."""
         per_block = torch.Size(self.kv_cache_shape(1, 1)).numel()
-        return per_block * self.config.num_layers * torch.empty((), dtype=self.dtype).element_size()
+        return per_block * self.config.num_layers * (kv_dtype or self.dtype).itemsize
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -32,7 +32,7 @@ from hybridmoe.layers.moe.block import MoEBlock
 from hybridmoe.layers.moe.hybrid_backend import TimedOnDevice
 from hybridmoe.models.dual_batch import OVERLAP_CHOICES, plan_tiers
 from hybridmoe.models.dual_batch import choose as choose_dual_batch
-from hybridmoe.models.loader import load_model, resolve_dtype
+from hybridmoe.models.loader import DTYPES, load_model, resolve_dtype
 from hybridmoe.models.placement import load_plan_file, place_model, placement_report, plan_placement
 from hybridmoe.models.transformed_weights import TransformedWeights
 from hybridmoe.runtime.block_manager import BlockManager
@@ -52,6 +52,9 @@ class EngineConfig:
     expert_backend: str = "cpu"  # routed experts: "cpu" (C++ kernels) | "torch" (reference)
     block_size: int = 16
     kv_cache_gb: float = 1.0  # memory for the paged KV cache
+    # the KV cache's dtype: auto (the compute dtype) | bfloat16 | float16 | float32. A 16-bit cache under float32
+    # compute holds twice the tokens and halves what decode attention reads (llama.cpp's default is float16)
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048  # token budget of one step (decode tokens first, then prefill chunks)
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped by the cache
@@ -70,6 +73,8 @@ class EngineConfig:
     overlap: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {['auto', *DTYPES]}, got {self.kv_cache_dtype!r}")
         if self.overlap not in OVERLAP_CHOICES:
             raise ValueError(f"overlap must be auto, on or off, got {self.overlap!r}")
         if self.stream_prefill not in ("auto", "on", "off"):
@@ -171,16 +176,17 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(model_dir, resolve_dtype(cfg.dtype), cfg.expert_backend,
                                 config=self.model_config, show_progress=show_progress, transformed=transformed)
-        num_blocks = ModelRunner.blocks_for_memory(self.model, int(cfg.kv_cache_gb * 2**30), cfg.block_size)
+        kv_dtype = self.model.dtype if cfg.kv_cache_dtype == "auto" else DTYPES[cfg.kv_cache_dtype]
+        num_blocks = ModelRunner.blocks_for_memory(self.model, int(cfg.kv_cache_gb * 2**30), cfg.block_size, kv_dtype)
         if num_blocks == 0:
-            block_bytes = self.model.kv_bytes_per_token() * cfg.block_size
+            block_bytes = self.model.kv_bytes_per_token(kv_dtype) * cfg.block_size
             raise ValueError(f"kv_cache_gb={cfg.kv_cache_gb:g} holds no KV block: one block of {cfg.block_size} "
                              f"tokens of this model takes {block_bytes} bytes ({block_bytes / 2**30:.3g} GB)")
         self.accel, self.placement, self.run_stats = None, None, RunStats()
         self._attached: list = []  # what close() stops
         if hybrid_wanted(cfg):
-            self._place(num_blocks * cfg.block_size * self.model.kv_bytes_per_token())
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
+            self._place(num_blocks * cfg.block_size * self.model.kv_bytes_per_token(kv_dtype))
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, kv_dtype)
         hybrid = self.placement is not None
         tiers = plan_tiers(self.placement, cfg.plan, cfg.max_num_seqs) if hybrid and cfg.overlap == "auto" else ()
         self.model.dual_batch, self.overlap_note = choose_dual_batch(cfg.overlap, hybrid, tiers)
@@ -560,7 +566,8 @@ class LLMEngine:
         if not sample_rows:
             return {}, {}
         reqs = [sched.scheduled[i].request for i in sample_rows]
-        logits = logits[sample_rows]  # [R, V]
+        if len(sample_rows) < logits.shape[0]:  # sample_rows ascend: all of them is every row
+            logits = logits[sample_rows]  # [R, V]
         tokens = self.sampler.sample(
             _without_early_stops(logits, reqs), [r.sampling_params for r in reqs],
             [self._states[r.req_id].generator for r in reqs], [r.all_token_ids for r in reqs],

@@ -28,7 +28,7 @@ class GenerationResult:
 class LLM:
     def __init__(self, model: str | Path, dtype: str = "auto", **engine_options):
         """model: a local Hugging Face model directory, or `demo` (the embedded demo model). engine_options: the
-        fields of EngineConfig (block_size, kv_cache_gb, max_num_seqs, max_num_batched_tokens, max_model_len,
+        fields of EngineConfig (block_size, kv_cache_gb, kv_cache_dtype, max_num_seqs, max_num_batched_tokens, max_model_len,
         expert_backend, enable_prefix_caching; and where it runs, docs/hybrid.md: device="auto"|"cpu"|"cuda",
         vram="24GB"|None, num_gpus=1, stream_prefill="auto"|"on"|"off", plan=None|path, routing=None|path,
         verbose, overlap="auto"|"on"|"off": dual-batch overlap of decode steps)."""

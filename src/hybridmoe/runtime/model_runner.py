@@ -72,18 +72,22 @@ def dropped_masks(chunks: list[SequenceChunk]) -> list[torch.Tensor | None]:
 
 
 class ModelRunner:
-    def __init__(self, model: MoEDecoderModel, num_blocks: int, block_size: int):
+    def __init__(self, model: MoEDecoderModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None):
+        """kv_dtype: the caches' dtype (default: the model's compute dtype; keys and values are rounded to it as
+        they are written and read back in the compute dtype)."""
         self.model, self.num_blocks, self.block_size = model, num_blocks, block_size
+        self.kv_dtype = kv_dtype = kv_dtype or model.dtype
         shape = model.kv_cache_shape(num_blocks, block_size)
         placed = model.device_placement  # a layer whose attention runs on the accelerator has its cache there
-        self.kv_caches = [placed.accel.empty(shape, model.dtype, f"kv cache.{i}").zero_()
-                          if placed is not None and placed.attention[i] else torch.zeros(shape, dtype=model.dtype)
+        self.kv_caches = [placed.accel.empty(shape, kv_dtype, f"kv cache.{i}").zero_()
+                          if placed is not None and placed.attention[i] else torch.zeros(shape, dtype=kv_dtype)
                           for i in range(model.config.num_layers)]
 
     @staticmethod
-    def blocks_for_memory(model: MoEDecoderModel, kv_cache_bytes: int, block_size: int) -> int:
+    def blocks_for_memory(model: MoEDecoderModel, kv_cache_bytes: int, block_size: int,
+                          kv_dtype: torch.dtype | None = None) -> int:
         """How many whole KV blocks fit in kv_cache_bytes (0 when not one does)."""
-        return kv_cache_bytes // (model.kv_bytes_per_token() * block_size)
+        return kv_cache_bytes // (model.kv_bytes_per_token(kv_dtype) * block_size)
 
     def forward(self, chunks: list[SequenceChunk], all_logits: bool = False) -> torch.Tensor:
         """-> logits [S, V] for the last new token of each chunk (or [T, V] for every token) in float32."""
