@@ -47,6 +47,23 @@ def test_greedy_is_argmax_and_ignores_filters():
     assert torch.equal(ids, logits.argmax(dim=-1))
 
 
+def test_greedy_takes_the_first_of_tied_maxima_and_refuses_bad_rows():
+    logits = torch.randn(3, 50)
+    logits[:, [7, 20, 41]] = 9.0  # three tied maxima a row: the first wins, as torch.argmax picks it
+    greedy = [SamplingParams(temperature=0.0)] * 3
+    assert Sampler().sample(logits, greedy, [None] * 3, [[]] * 3).tolist() == [7, 7, 7]
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.0)]
+    ids = Sampler().sample(logits, mixed, [None] * 3, [[]] * 3)
+    assert ids[0] == 7 and ids[2] == 7
+    for bad in (float("nan"), float("inf")):
+        rows = torch.randn(2, 50)
+        rows[1, 30] = bad
+        with pytest.raises(ValueError, match=r"rows \[1\] contain NaN or \+inf, or are all -inf"):
+            Sampler().sample(rows, greedy[:2], [None] * 2, [[]] * 2)
+    with pytest.raises(ValueError, match=r"rows \[0\] contain NaN"):
+        Sampler().sample(torch.full((1, 50), float("-inf")), greedy[:1], [None], [[]])
+
+
 def test_input_logits_are_not_modified():
     torch.manual_seed(2)
     logits = torch.randn(3, 50)
