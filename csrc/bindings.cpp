@@ -22,6 +22,7 @@
 #include "moe.h"
 #include "norm.h"
 #include "rope.h"
+#include "router.h"
 #include "numa.h"
 #include "thread_pool.h"
 
@@ -532,6 +533,51 @@ void rope_py(nb::object x_obj, nb::object cos_obj, nb::object sin_obj, nb::objec
   run_sync([&a] { rope(a, global_pool()); });
 }
 
+// The router's top-k experts and weights of each token from its gate logits (hm::route).
+void route_py(nb::object logits_obj, int64_t k, bool sigmoid, nb::object bias_obj, int64_t groups, int64_t topk_groups,
+              bool normalize, double norm_eps, double scale, nb::object ids_obj, nb::object weights_obj) {
+  const Array x = nb::cast<Array>(logits_obj, false);
+  const MutArray ids = nb::cast<MutArray>(ids_obj, false);
+  const MutArray w = nb::cast<MutArray>(weights_obj, false);
+  check_nd("logits", x, 2);
+  check_nd("ids", ids, 2);
+  check_nd("weights", w, 2);
+  check_cpu_dtype("logits", x, {kF32});
+  check_cpu_dtype("ids", ids, {kI64});
+  check_cpu_dtype("weights", w, {kF32});
+  RouteArgs a;
+  a.tokens = x.shape(0);
+  a.experts = x.shape(1);
+  a.logits_stride = a.tokens > 1 ? x.stride(0) : a.experts;
+  if (k < 1 || k > a.experts) fail("k", "must be in [1, " + std::to_string(a.experts) + "], got " + std::to_string(k));
+  if (groups < 1 || a.experts % groups) fail("groups", std::to_string(groups) + " does not divide " + std::to_string(a.experts) + " experts");
+  if (topk_groups < 1 || topk_groups > groups || (groups > 1 && k > topk_groups * (a.experts / groups)))
+    fail("topk_groups", std::to_string(topk_groups) + " groups of " + std::to_string(groups) + " cannot hold " +
+                            std::to_string(k) + " experts");
+  for (const auto& [name, arr] : {std::pair<const char*, const MutArray*>{"ids", &ids}, {"weights", &w}})
+    if (static_cast<int64_t>(arr->shape(0)) != a.tokens || static_cast<int64_t>(arr->shape(1)) != k ||
+        (a.tokens > 1 && arr->stride(0) != k))
+      fail(name, "must be contiguous [" + std::to_string(a.tokens) + ", " + std::to_string(k) + "], got " + shape_str(*arr));
+  if (!bias_obj.is_none()) {
+    const Array b = nb::cast<Array>(bias_obj, false);
+    check_nd("bias", b, 1);
+    check_cpu_dtype("bias", b, {kF32});
+    if (static_cast<int64_t>(b.shape(0)) != a.experts) fail("bias", "shape " + shape_str(b) + " does not match logits " + shape_str(x));
+    a.bias = static_cast<const float*>(b.data());
+  }
+  a.logits = static_cast<const float*>(x.data());
+  a.k = static_cast<int>(k);
+  a.sigmoid = sigmoid;
+  a.groups = static_cast<int>(groups);
+  a.topk_groups = static_cast<int>(topk_groups);
+  a.normalize = normalize;
+  a.norm_eps = static_cast<float>(norm_eps);
+  a.scale = static_cast<float>(scale);
+  a.ids = static_cast<int64_t*>(ids.data());
+  a.weights = static_cast<float*>(w.data());
+  route(a);
+}
+
 // out[s, h] = softmax(q[s, h] . K_s^T * scale) V_s over sequence s's context in the paged cache.
 void decode_attention_py(nb::object q_obj, nb::object k_obj, nb::object v_obj, nb::object bt_obj, nb::object sl_obj,
                          nb::object out_obj, double scale, int64_t window) {
@@ -697,6 +743,12 @@ NB_MODULE(_native, mod) {
           "Rotary embedding (blocking): out[t, n] = (x1 c - x2 s, x2 c + x1 s) over x [T, N, R]'s pairs (interleaved "
           "or half-split), cos / sin [T, R/2]; the result in half-split layout; float32 or bfloat16 alike; out may be x. "
           "norm_weight [R]: each row RMS-normalised by it first, as rms_norm would (Qwen3's q / k norms).");
+  mod.def("route", &route_py, "logits"_a, "k"_a, "sigmoid"_a, "bias"_a.none(), "groups"_a, "topk_groups"_a,
+          "normalize"_a, "norm_eps"_a, "scale"_a, "ids"_a, "weights"_a,
+          "MoE routing (blocking, the calling thread): each token's k experts (descending, ties to the lower id) and "
+          "weights from its gate logits [T, E] float32: softmax or sigmoid scores; with bias [E], chosen by scores + "
+          "bias and weighted by scores; groups > 1: only experts of the topk_groups groups of largest top-2 sum; "
+          "normalize: weights / (sum + norm_eps); times scale. Into ids [T, k] int64 and weights [T, k] float32.");
   mod.def("rms_norm", &rms_norm_py, "x"_a, "weight"_a, "out"_a, "eps"_a, "residual"_a.none(),
           "out = weight * rms-normalised rows of x (blocking), float32 or bfloat16 alike; with a residual, residual += x "
           "first (in place) and its rows are normalised (the decoder's residual stream and the next norm in one call).");

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from hybridmoe.config import MoEConfig
+from hybridmoe.kernels import router as kernel
 from hybridmoe.layers.linear import Linear
 
 
@@ -30,6 +31,12 @@ class Router:
         """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K] float32)."""
         cfg = self.cfg
         logits = self.gate(x.float())  # [T, E]
+        if kernel.applies(logits):  # the same choice in one call (descending order, where torch's may differ)
+            noaux = cfg.topk_method == "noaux_tc"
+            return kernel.route(logits, cfg.num_experts_per_tok, sigmoid=cfg.scoring_func != "softmax",
+                                bias=self.correction_bias if noaux else None, groups=cfg.n_group if noaux else 1,
+                                topk_groups=cfg.topk_group if noaux else 1, normalize=cfg.norm_topk_prob,
+                                norm_eps=1e-20 if noaux else 0.0, scale=cfg.routed_scaling_factor)
         if cfg.scoring_func == "softmax":
             scores = logits.softmax(dim=-1)
         else:
