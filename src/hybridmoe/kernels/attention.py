@@ -26,7 +26,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """-> out [S, N, Dv] (blocking; checks shapes, dtypes and block ids, ValueError naming the argument)."""
     if out is None:
-        out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=q.dtype)
+        out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
     _native.decode_attention(to_dlpack(q), to_dlpack(k_cache), to_dlpack(v_cache), to_dlpack(block_tables),
                              to_dlpack(seq_lens), to_dlpack(out), scale, window or 0)
     return out

@@ -15,20 +15,20 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from hybridmoe.kernels import _native
+from hybridmoe.kernels.norm import DTYPES
 
 
 def applies(x: torch.Tensor, cos: torch.Tensor, norm_weight: torch.Tensor | None = None) -> bool:
     """Whether the kernel rotates x (else torch does: other dtypes or devices)."""
-    return (x.device.type == "cpu" and x.dim() == 3 and x.dtype in (torch.float32, torch.bfloat16)
-            and cos.dtype == x.dtype and x.stride(-1) == 1 and cos.is_contiguous()
-            and x.shape[-1] == 2 * cos.shape[-1]
-            and (norm_weight is None or (norm_weight.dtype == x.dtype and norm_weight.device.type == "cpu")))
+    return (x.is_cpu and x.dim() == 3 and x.dtype in DTYPES and cos.dtype == x.dtype
+            and (x.is_contiguous() or x.stride(-1) == 1) and cos.is_contiguous() and x.shape[-1] == 2 * cos.shape[-1]
+            and (norm_weight is None or (norm_weight.dtype == x.dtype and norm_weight.is_cpu)))
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """x [T, N, R], cos and sin [T, R/2] (norm_weight [R]) -> rotated [T, N, R] (a new tensor)."""
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = x.new_empty(x.shape)  # contiguous, x's dtype (cheaper than torch.empty with a dtype)
     norm = to_dlpack(norm_weight) if norm_weight is not None else None
     _native.rope(to_dlpack(x), to_dlpack(cos), to_dlpack(sin), to_dlpack(out), interleaved, norm, eps)
     return out

@@ -51,9 +51,9 @@ class GQAttention:
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         # Qwen3's per-head q / k RMSNorms (where the model has them) go with the rotation: one kernel call each
         q, k = self.rope.apply(q, cos, sin, w.q_norm, self.eps), self.rope.apply(k, cos, sin, w.k_norm, self.eps)
-        write_to_cache(cache[0], meta.slot_mapping, k)
-        write_to_cache(cache[1], meta.slot_mapping, v)
-        out = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim, dtype=x.dtype, device=x.device)
+        write_to_cache(cache[0], meta, k)
+        write_to_cache(cache[1], meta, v)
+        out = x.new_empty((num_tokens, cfg.num_heads, cfg.head_dim))
         decoded = decode_kernel_seqs(meta, cache, self.observers)  # leading one-token sequences: rows [0, decoded)
         if decoded:
             paged_decode(q[:decoded], cache[0], cache[1], meta, cfg.softmax_scale, cfg.sliding_window, out[:decoded])

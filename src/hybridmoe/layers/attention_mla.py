@@ -147,7 +147,7 @@ class MLAttention:
         k_pe = kv[:, None, lora:]  # [T, 1, R]
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         q_pe, k_pe = self.rope.apply(q_pe, cos, sin), self.rope.apply(k_pe, cos, sin)
-        write_to_cache(cache, meta.slot_mapping, torch.cat((latent, k_pe[:, 0]), dim=-1))
+        write_to_cache(cache, meta, torch.cat((latent, k_pe[:, 0]), dim=-1))
 
         q_full = torch.empty(num_tokens, cfg.num_heads, lora + cfg.qk_rope_head_dim, dtype=x.dtype, device=x.device)
         self.absorption.query(q_nope, out=q_full[..., :lora])  # q_lat [T, N, L]

@@ -40,6 +40,7 @@ class Linear:
                  bias: torch.Tensor | None = None, block: tuple[int, int] = (128, 128), name: str = "weight"):
         self.fmt, self.rows, self.cols, self.bias, self.block = fmt, data.shape[0], cols, bias, block
         self.data, self.scales = data, scales  # the matrix reads this memory: keep it alive
+        self._float_weight = data if fmt in ("f32", "bf16", "f16") else None  # read by every call: no property
         self.matrix = kernel_matrix(fmt, data, scales, cols=cols, block=block, name=name)
 
     @classmethod
@@ -51,7 +52,7 @@ class Linear:
     @property
     def weight(self) -> torch.Tensor | None:
         """The float weight [N, K] (None for FP8 and int formats)."""
-        return self.data if self.fmt in ("f32", "bf16", "f16") else None
+        return self._float_weight
 
     @property
     def nbytes(self) -> int:
@@ -61,11 +62,12 @@ class Linear:
         """x [..., K] -> [..., N] in x's dtype."""
         if x.dim() != 2:
             return self(x.reshape(-1, self.cols)).view(*x.shape[:-1], self.rows)
-        weight = self.weight
-        if weight is not None and weight.dtype == x.dtype and x.shape[0] >= FLOAT_KERNEL_MAX_TOKENS:
-            return F.linear(x, weight, self.bias)
-        if weight is not None and weight.dtype != x.dtype and x.shape[0] >= CONVERTED_KERNEL_MAX_TOKENS:
-            return _linear_converting(x, weight, self.bias)
+        weight = self._float_weight
+        if weight is not None and x.shape[0] >= FLOAT_KERNEL_MAX_TOKENS:
+            if weight.dtype == x.dtype:
+                return F.linear(x, weight, self.bias)
+            if x.shape[0] >= CONVERTED_KERNEL_MAX_TOKENS:
+                return _linear_converting(x, weight, self.bias)
         if self.bias is None and (x.dtype == torch.bfloat16 or x.dtype == torch.float32):
             return matmul(self.matrix, x, out_dtype=x.dtype)  # [T, N]; bf16 in and out without torch conversions
         y = matmul(self.matrix, x)  # [T, N] float32; a decode step runs this for every projection: lean

@@ -51,6 +51,11 @@ class AttentionMetadata:
         return out
 
     @cached_property
+    def single_slot(self) -> int | None:
+        """The cache slot of this step's one new token; None when it has several (read once per step)."""
+        return int(self.slot_mapping[0]) if self.slot_mapping.numel() == 1 else None
+
+    @cached_property
     def decode_seqs(self) -> int:
         """How many leading sequences decode one token each with no dropped keys: the kernel's batch (the
         scheduler puts decode tokens before prefill chunks). Computed once per step, shared by every layer."""
@@ -66,15 +71,24 @@ class AttentionMetadata:
         """[decode_seqs] long: the context lengths of the kernel's batch."""
         return torch.tensor(self.seq_lens[: self.decode_seqs], dtype=torch.long)
 
+    @cached_property
+    def decode_block_tables(self) -> torch.Tensor:
+        """[decode_seqs, max_blocks]: the block tables of the kernel's batch (a view, made once per step)."""
+        return self.block_tables[: self.decode_seqs]
+
     def dropped_keys(self, seq: int) -> torch.Tensor | None:
         """bool [C] of sequence seq's context, True where the key is masked out; None when none is."""
         mask = self.dropped[seq] if self.dropped is not None else None
         return None if mask is None else mask[: self.seq_lens[seq]]
 
 
-def write_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-    """cache [NB, BS, *F], values [T, *F] -> stored at slots slot_mapping [T]."""
-    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values.to(cache.dtype))
+def write_to_cache(cache: torch.Tensor, meta: AttentionMetadata, values: torch.Tensor) -> None:
+    """cache [NB, BS, *F], values [T, *F] -> stored at the slots meta.slot_mapping [T], in the cache's dtype."""
+    slots = cache.view(-1, *cache.shape[2:])  # [NB * BS, *F]
+    if meta.single_slot is not None:  # one token: one copy_ (converting), not a conversion and an index_copy_
+        slots[meta.single_slot].copy_(values[0])
+    else:
+        slots.index_copy_(0, meta.slot_mapping, values.to(cache.dtype))
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -115,7 +129,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, slid
 
 def decode_kernel_seqs(meta: AttentionMetadata, cache: torch.Tensor, observers: list) -> int:
     """How many leading sequences of this step `paged_decode` computes (0: none; the rest take `attend`)."""
-    if not DECODE_KERNEL or observers or cache.device.type != "cpu":
+    if not DECODE_KERNEL or observers or not cache.is_cpu:
         return 0
     return meta.decode_seqs
 
@@ -125,5 +139,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """The decode sequences' attention, read in place from the paged cache: q [S', N, D] (the first S' =
     q.shape[0] sequences, one token each), k_cache [NB, BS, Nk, D], v_cache [NB, BS, Nk, Dv] -> out [S', N, Dv]."""
     num = q.shape[0]
-    decode_attention(q, k_cache, v_cache, meta.block_tables[:num], meta.decode_seq_lens[:num], scale, sliding_window,
-                     out=out)
+    tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+    if num != lens.shape[0]:
+        tables, lens = tables[:num], lens[:num]
+    decode_attention(q, k_cache, v_cache, tables, lens, scale, sliding_window, out=out)
