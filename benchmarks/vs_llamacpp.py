@@ -43,15 +43,16 @@ What it does, each step reused when its output is already there (under --cache, 
    cache read at the mean decode context (2 bytes an element for both). Fraction of bandwidth = bytes/token *
    decode tok/s / the median of the probes beside that format's runs.
 5. Our decode's time in the kernels: every run of ours has timers around its kernel calls (`layers.linear.matmul`,
-   every projection, and `FusedMoE.submit` .. `wait` / `FusedMoE.__call__`, the routed experts; each includes its
-   thin Python wrapper; 25 calls a decode step at 4 layers, a few microseconds of timers in a step of 50-100 ms),
+   every projection, `layers.linear.LinearGroup`, q / k / v together, and `FusedMoE.submit` .. `wait` /
+   `FusedMoE.__call__`, the routed experts; each includes its thin Python wrapper; 17 calls a decode step at 4
+   layers, a few microseconds of timers in a step of 20-100 ms),
    summed over the decode steps against the decode's wall time, median over the runs; the rest (attention, norms,
    RoPE, routing's top-k, sampling, the scheduler, Python) is "outside the kernels".
 6. The host: the development VM is shared, so each run also records, for prefill and decode apiece, how many CPUs'
    worth of time the rest of the machine was busy (/proc/stat less this process), its involuntary context
    switches and its major page faults. Cells are "median (best)" over the rounds: llama.cpp's decode, whose
    threads meet at a spinning barrier after every graph node, slows down several times over when another process
-   takes one of the two CPUs; ours meets at about 25 kernel calls a step.
+   takes one of the two CPUs; ours meets at about 17 kernel calls a step.
 
 The tokenizer: the random checkpoint has none, and llama.cpp's converter needs one it accepts as Qwen2's. This
 script writes a real byte-level BPE of exactly the model's vocabulary (151936 ids) with `tokenizers`: GPT-2's byte
@@ -772,6 +773,9 @@ def _instrument_kernels(state: dict) -> list[str]:
     if hasattr(linear, "matmul"):
         linear.matmul = timed(linear.matmul)
         wrapped.append("layers.linear.matmul")
+    if hasattr(linear, "LinearGroup"):  # q / k / v in one call
+        linear.LinearGroup.__call__ = timed(linear.LinearGroup.__call__)
+        wrapped.append("layers.linear.LinearGroup.__call__")
     fused = kmoe.FusedMoE
     fused.__call__ = timed(fused.__call__)
     submit, wait = fused.submit, fused.wait

@@ -4,6 +4,7 @@
 // with errors that say which argument is wrong. Kernels run on the C++ executor with the GIL released.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/string.h>
@@ -359,6 +360,43 @@ void matmul(const PyMatrix& w, nb::object x_obj, nb::object out_obj, const std::
   void* yp = out.data();
   const Matrix m = w.m;
   run_sync([=] { run_matmul(m, xp, x_bf16, M, ldx, yp, y_bf16, p, *kt, global_pool()); });
+}
+
+// out[i] = x @ W_i^T for several matrices of one input in one call (run_matmul_group).
+void matmul_group(const std::vector<const PyMatrix*>& ws, nb::object x_obj, nb::list outs, const std::string& path) {
+  if (ws.empty()) fail("ws", "no matrices");
+  if (nb::len(outs) != ws.size())
+    fail("outs", std::to_string(nb::len(outs)) + " outputs for " + std::to_string(ws.size()) + " matrices");
+  std::vector<Matrix> mats;
+  for (const PyMatrix* w : ws) mats.push_back(w->m);
+  if (const char* what = matmul_group_mismatch(mats.data(), static_cast<int>(mats.size())))
+    fail("ws", std::string("the matrices differ in ") + what + ": they cannot share one input's activations");
+  const Array x = nb::cast<Array>(x_obj, false);
+  check_2d("x", x, {kF32, kBF16});
+  const int64_t M = x.shape(0);
+  check_shape("x", x, M, mats[0].cols);
+  std::vector<void*> ys;
+  std::vector<MutArray> held;  // the imported outputs, alive until the kernels are done
+  bool y_bf16 = false;
+  for (size_t i = 0; i < mats.size(); ++i) {
+    const MutArray& out = held.emplace_back(nb::cast<MutArray>(outs[i], false));
+    const std::string name = "outs[" + std::to_string(i) + "]";
+    check_2d(name, out, {kF32, kBF16});
+    check_shape(name, out, M, mats[i].rows);
+    if (M > 1 && out.stride(0) != mats[i].rows) fail(name, "must be contiguous");
+    if (i == 0) y_bf16 = out.dtype() == kBF16;
+    else if ((out.dtype() == kBF16) != y_bf16) fail(name, "dtype differs from outs[0]'s");
+    ys.push_back(out.data());
+  }
+  const MatmulPath p = parse_path(path);
+  const KernelTable* kt = active_kernels();
+  const void* xp = x.data();
+  const bool x_bf16 = x.dtype() == kBF16;
+  const int64_t ldx = M > 1 ? x.stride(0) : mats[0].cols;
+  run_sync([&] {
+    run_matmul_group(mats.data(), static_cast<int>(mats.size()), xp, x_bf16, M, ldx, ys.data(), y_bf16, p, *kt,
+                     global_pool());
+  });
 }
 
 // One weight matrix per head, all of one format and shape [M, K] (run_matmul_heads), holding their arrays.
@@ -766,6 +804,16 @@ NB_MODULE(_native, mod) {
           "out[t, n] = x[t, n] @ W_n^T for every head n (blocking): x [T, N, K] and out [T, N, M] float32 or bfloat16 "
           "(out rounded to nearest even), strided over tokens and heads with contiguous rows; one pool dispatch over "
           "(heads, row block) tasks.");
+  mod.def("matmul_group_mismatch", [](const std::vector<const PyMatrix*>& ws) -> std::optional<std::string> {
+            std::vector<Matrix> mats;
+            for (const PyMatrix* w : ws) mats.push_back(w->m);
+            const char* what = matmul_group_mismatch(mats.data(), static_cast<int>(mats.size()));
+            return what ? std::optional<std::string>(what) : std::nullopt;
+          }, "ws"_a,
+          "What the matrices differ in that matmul_group's one preparation of the input cannot serve, else None.");
+  mod.def("matmul_group", &matmul_group, "ws"_a, "x"_a, "outs"_a, "path"_a = "auto",
+          "outs[i][M, N_i] = x[M, K] @ W_i^T for matrices of one input (blocking): the activations prepared once, one "
+          "pool dispatch over every matrix's row blocks; x and outs float32 or bfloat16 (outs alike).");
   mod.def("matmul", &matmul, "w"_a, "x"_a, "out"_a, "path"_a = "auto", "out[M, N] = x[M, K] @ W^T (blocking); x and out float32 or bfloat16 (out rounded to nearest even).");
   mod.def("quantize_rows", [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x, int64_t padded,
                               int group) {

@@ -334,29 +334,50 @@ inline void load_act_row(ActBuffer& acts, I64 r, const void* src, bool bf16, con
 
 void run_matmul(const Matrix& w, const void* x, bool x_bf16, I64 m, I64 ldx, void* y, bool y_bf16, MatmulPath path,
                 const KernelTable& kt, ThreadPool& pool) {
+  run_matmul_group(&w, 1, x, x_bf16, m, ldx, &y, y_bf16, path, kt, pool);
+}
+
+const char* matmul_group_mismatch(const Matrix* w, int n) {
+  for (int i = 1; i < n; ++i) {
+    if (w[i].cols != w[0].cols) return "input features";
+    if (is_int_format(w[i].fmt) != is_int_format(w[0].fmt)) return "activation form (int8 groups or float)";
+    if (is_int_format(w[0].fmt) && (w[i].group != w[0].group || w[i].padded_cols != w[0].padded_cols))
+      return "quantisation group";
+  }
+  return nullptr;
+}
+
+void run_matmul_group(const Matrix* w, int n, const void* x, bool x_bf16, I64 m, I64 ldx, void* const* y, bool y_bf16,
+                      MatmulPath path, const KernelTable& kt, ThreadPool& pool) {
   thread_local ActBuffer acts;  // reused: a decode step calls this for every projection
   thread_local std::vector<float> y_f32;  // bf16 output: each task's float rows, rounded into y by that task
-  acts.init(m, w);
-  for (I64 r = 0; r < m; ++r) {
-    float* row = acts.row(r);
-    if (x_bf16) {
-      const uint16_t* src = static_cast<const uint16_t*>(x) + r * ldx;
-      for (I64 k = 0; k < w.cols; ++k) row[k] = bits_to_float(static_cast<uint32_t>(src[k]) << 16);
-    } else {
-      std::memcpy(row, static_cast<const float*>(x) + r * ldx, static_cast<size_t>(w.cols) * sizeof(float));
-    }
-    acts.quantize(r, kt);
+  thread_local std::vector<I64> first_task, blk, y_off;  // per matrix: its first task, rows a task, y_f32 offset
+  acts.init(m, w[0]);
+  const I64 x_elem = x_bf16 ? 2 : 4;
+  for (I64 r = 0; r < m; ++r) load_act_row(acts, r, static_cast<const char*>(x) + r * ldx * x_elem, x_bf16, kt);
+  first_task.assign(static_cast<size_t>(n) + 1, 0);
+  blk.resize(static_cast<size_t>(n));
+  y_off.assign(static_cast<size_t>(n) + 1, 0);
+  for (int i = 0; i < n; ++i) {
+    blk[i] = matmul_task_rows(w[i].rows, pool.size(), w[i].row_bytes);
+    first_task[i + 1] = first_task[i] + ceil_div(w[i].rows, blk[i]);
+    y_off[i + 1] = y_off[i] + m * w[i].rows;
   }
-  if (y_bf16 && y_f32.size() < static_cast<size_t>(m * w.rows)) y_f32.resize(static_cast<size_t>(m * w.rows));
-  float* yf = y_bf16 ? y_f32.data() : static_cast<float*>(y);
-  uint16_t* yb = static_cast<uint16_t*>(y);
+  if (y_bf16 && y_f32.size() < static_cast<size_t>(y_off[n])) y_f32.resize(static_cast<size_t>(y_off[n]));
   const Activations view = acts.view(m, nullptr, 0);
-  const I64 blk = matmul_task_rows(w.rows, pool.size(), w.row_bytes);
-  pool.parallel_for(ceil_div(w.rows, blk), [&](I64 task, int) {
-    const I64 r0 = task * blk, r1 = std::min(w.rows, r0 + blk);
-    kt.matmul(w, r0, r1, view, yf + r0, w.rows, path);  // rows [r0, r1) straight into y's columns
-    if (y_bf16)
-      for (I64 t = 0; t < m; ++t) round_to_bf16(yf + t * w.rows + r0, yb + t * w.rows + r0, r1 - r0);
+  // the pool's threads see their own thread_locals: hand them this thread's buffers
+  const I64 *tasks0 = first_task.data(), *rows_per_task = blk.data(), *offset = y_off.data();
+  float* y_tmp = y_f32.data();
+  pool.parallel_for(tasks0[n], [&](I64 task, int) {
+    const int i = static_cast<int>(std::upper_bound(tasks0, tasks0 + n + 1, task) - tasks0) - 1;
+    const Matrix& wi = w[i];
+    const I64 r0 = (task - tasks0[i]) * rows_per_task[i], r1 = std::min(wi.rows, r0 + rows_per_task[i]);
+    float* yf = y_bf16 ? y_tmp + offset[i] : static_cast<float*>(y[i]);
+    kt.matmul(wi, r0, r1, view, yf + r0, wi.rows, path);  // rows [r0, r1) straight into y's columns
+    if (y_bf16) {
+      uint16_t* yb = static_cast<uint16_t*>(y[i]);
+      for (I64 t = 0; t < m; ++t) round_to_bf16(yf + t * wi.rows + r0, yb + t * wi.rows + r0, r1 - r0);
+    }
   });
 }
 

@@ -74,6 +74,16 @@ std::vector<WorkBufferInfo> work_buffers();
 void run_matmul(const Matrix& w, const void* x, bool x_bf16, int64_t m, int64_t ldx, void* y, bool y_bf16,
                 MatmulPath path, const KernelTable& kt, ThreadPool& pool);
 
+// Several matrices of one input (GQA's q / k / v projections) as run_matmul does each: y[i] [M, N_i] (contiguous)
+// = x @ W_i^T, the activations prepared once and every matrix's row blocks in one parallel_for (one pool wake-up
+// instead of n). The matrices must share what the activations depend on (matmul_group_mismatch).
+void run_matmul_group(const Matrix* w, int n, const void* x, bool x_bf16, int64_t m, int64_t ldx, void* const* y,
+                      bool y_bf16, MatmulPath path, const KernelTable& kt, ThreadPool& pool);
+
+// What differs among w[0, n) that one preparation of the activations cannot serve (input features, int8 or float
+// activations, quantisation group), or nullptr when nothing does.
+const char* matmul_group_mismatch(const Matrix* w, int n);
+
 // Per-head ("batched") matmuls, one weight matrix per head (MLA's absorbed kv_b_proj): for every head n < heads and
 // token t < m, y[t, n, :] [M] = x[t, n, :] [K] @ W_n^T, W_n = w[n] [M, K]. The heads share one format and shape.
 // x and y are strided over (token, head), in elements (rows contiguous; any layout whose rows do not overlap, e.g.

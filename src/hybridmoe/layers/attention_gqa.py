@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridmoe.config import ModelConfig
-from hybridmoe.layers.linear import Linear
+from hybridmoe.layers.linear import Linear, SharedInput
 from hybridmoe.layers.paged_attention import (AttentionMetadata, attend, decode_kernel_seqs, gather_context,
                                               paged_decode, write_to_cache)
 from hybridmoe.layers.rope import RotaryEmbedding
@@ -34,6 +34,7 @@ class GQAttention:
         # observe(seq, q [Q, N, D], k [C, Nk, D], scale) per sequence of every forward, q and k post-rope, q the
         # sequence's new tokens (the last Q of its C context positions); hybridmoe.kv scores prompt tokens by it
         self.observers: list = []
+        self._qkv = SharedInput()  # q / k / v in one kernel call
 
     @staticmethod
     def cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -45,9 +46,10 @@ class GQAttention:
         """x [T, H] -> [T, H]; writes this step's K/V into cache."""
         cfg, w = self.cfg, self.w
         num_tokens = x.shape[0]
-        q = w.q_proj(x).view(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = w.k_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = w.v_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = self._qkv((w.q_proj, w.k_proj, w.v_proj), x)
+        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         # Qwen3's per-head q / k RMSNorms (where the model has them) go with the rotation: one kernel call each
         q, k = self.rope.apply(q, cos, sin, w.q_norm, self.eps), self.rope.apply(k, cos, sin, w.k_norm, self.eps)

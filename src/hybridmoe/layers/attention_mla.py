@@ -22,7 +22,7 @@ import torch
 
 from hybridmoe.config import AttentionConfig, ModelConfig
 from hybridmoe.kernels.moe import MatrixHeads, matmul_heads
-from hybridmoe.layers.linear import Linear
+from hybridmoe.layers.linear import Linear, SharedInput
 from hybridmoe.layers.norm import rms_norm
 from hybridmoe.layers.paged_attention import (AttentionMetadata, attend, decode_kernel_seqs, gather_context,
                                               paged_decode, write_to_cache)
@@ -125,6 +125,7 @@ class MLAttention:
         # observe(seq, q [Q, N, L+R], k [C, 1, L+R], scale) per sequence of every forward: the absorbed queries and
         # the cached latents, whose products are the attention logits; hybridmoe.kv scores prompt tokens by it
         self.observers: list = []
+        self._from_x = SharedInput()  # the query's first projection and kv_a in one kernel call
 
     @staticmethod
     def cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -136,13 +137,11 @@ class MLAttention:
         """x [T, H] -> [T, H]; writes this step's latents into cache."""
         cfg, w = self.cfg, self.w
         num_tokens, lora = x.shape[0], cfg.kv_lora_rank
-        if w.q_proj is not None:
-            q = w.q_proj(x)
-        else:
-            q = w.q_b_proj(rms_norm(w.q_a_proj(x), w.q_a_norm, self.eps))
+        q, kv = self._from_x((w.q_proj if w.q_proj is not None else w.q_a_proj, w.kv_a_proj), x)  # kv [T, L+R]
+        if w.q_proj is None:
+            q = w.q_b_proj(rms_norm(q, w.q_a_norm, self.eps))
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)  # [T, N, P], [T, N, R]
-        kv = w.kv_a_proj(x)  # [T, L+R]
         latent = rms_norm(kv[:, :lora], w.kv_a_norm, self.eps)  # [T, L]
         k_pe = kv[:, None, lora:]  # [T, 1, R]
         cos, sin = self.rope.cos_sin(positions, x.dtype)

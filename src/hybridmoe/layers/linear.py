@@ -15,9 +15,13 @@ Legend: T tokens, K input features, N output features.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+from torch.utils.dlpack import to_dlpack
 
+from hybridmoe.kernels import _native
 from hybridmoe.kernels.moe import matmul
 from hybridmoe.kernels.weights import contiguous_rows, dense_format, kernel_matrix
 
@@ -74,6 +78,62 @@ class Linear:
         if self.bias is not None:
             y += self.bias
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+class LinearGroup:
+    """Projections of one input (GQA's q / k / v) computed together where all of them take the kernels: one call,
+    the input's activations prepared once, one dispatch to the thread pool for every matrix's rows. At a decode
+    step each call's fixed cost (tens of microseconds) is a sizeable part of reading a small matrix (k / v)."""
+
+    def __init__(self, members: list[Linear]):
+        self.members = members
+        self._matrices = [m.matrix for m in members]
+        # tokens below which every member takes the kernels, per input dtype (see Linear.__call__)
+        self._kernel_tokens = {dtype: min(_kernel_tokens(m, dtype) for m in members)
+                               for dtype in (torch.float32, torch.bfloat16)}
+
+    @classmethod
+    def of(cls, *members) -> "LinearGroup | None":
+        """The group of these projections, or None where they cannot share a call (another kind of layer, a bias, a
+        different input width or activation form)."""
+        if not all(type(m) is Linear and m.bias is None for m in members):
+            return None
+        if _native.matmul_group_mismatch([m.matrix for m in members]) is not None:
+            return None
+        return cls(list(members))
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [T, K] -> one [T, N_i] a member, in x's dtype."""
+        if x.shape[0] >= self._kernel_tokens.get(x.dtype, 0) or not x.is_contiguous():
+            return [m(x) for m in self.members]
+        outs = [x.new_empty((x.shape[0], m.rows)) for m in self.members]
+        if x.shape[0]:
+            _native.matmul_group(self._matrices, to_dlpack(x), [to_dlpack(o) for o in outs])
+        return outs
+
+
+class SharedInput:
+    """A layer's projections of one input through their LinearGroup, remade when the projections change (placement
+    swaps a layer's projections for device ones after it is built); separate calls where they cannot share one."""
+
+    def __init__(self):
+        self._of: tuple = ()
+        self._group: LinearGroup | None = None
+
+    def __call__(self, members: tuple, x: torch.Tensor) -> list[torch.Tensor]:
+        """members: the projections (Linear or not), x [T, K] -> one [T, N_i] a member."""
+        made_of = self._of
+        if len(made_of) != len(members) or any(a is not b for a, b in zip(made_of, members)):
+            self._of, self._group = members, LinearGroup.of(*members)
+        return self._group(x) if self._group is not None else [m(x) for m in members]
+
+
+def _kernel_tokens(linear: Linear, x_dtype: torch.dtype) -> int | float:
+    """Up to how many tokens (exclusive) `linear` computes x of x_dtype on the kernels."""
+    weight = linear.weight
+    if weight is None:
+        return math.inf
+    return FLOAT_KERNEL_MAX_TOKENS if weight.dtype == x_dtype else CONVERTED_KERNEL_MAX_TOKENS
 
 
 def _linear_converting(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
