@@ -8,7 +8,7 @@ one token reads at a fraction of it); from FLOAT_KERNEL_MAX_TOKENS tokens on, fl
 "Linear layers"). A bf16/f16 weight under a float32 compute dtype (a CPU without bf16 units) stays as stored, half
 the bytes a decode step reads: the kernels up to CONVERTED_KERNEL_MAX_TOKENS tokens, then torch's matmul over
 blocks of CONVERT_ROWS rows converted into a small buffer. FP8 and int weights run on the kernels at every size:
-torch has no matmul for them.
+torch has no matmul for them. `LinearGroup` computes projections of one input (GQA's q / k / v) in one kernel call.
 
 Legend: T tokens, K input features, N output features.
 """
