@@ -1,6 +1,7 @@
-"""Decode steps through the C++ paged decode-attention kernel give the logits of the gather + SDPA path (GQA with
-q/k norms, a sliding window, MLA's absorbed latents), in a step of decodes alone and in a step that mixes decodes
-with a prefill chunk; sequences with dropped keys and layers with observers keep the SDPA path."""
+"""Decode steps and prefill chunks through the C++ paged attention kernel (a prefill's tokens each one query over its
+causal context) give the logits of the gather + SDPA path (GQA with q/k norms, a sliding window, MLA's absorbed
+latents): whole prompts, a step of decodes alone and a step that mixes decodes with a chunk continuing a cached
+prefix; sequences with dropped keys and layers with observers keep the SDPA path."""
 
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ BLOCK = 4
 
 
 def _step(runner, chunks, kernel: bool) -> torch.Tensor:
-    before = paged_attention.DECODE_KERNEL
-    paged_attention.DECODE_KERNEL = kernel
+    before = paged_attention.DECODE_KERNEL, paged_attention.PREFILL_KERNEL
+    paged_attention.DECODE_KERNEL = paged_attention.PREFILL_KERNEL = kernel
     try:
         return runner.forward(chunks)
     finally:
-        paged_attention.DECODE_KERNEL = before
+        paged_attention.DECODE_KERNEL, paged_attention.PREFILL_KERNEL = before
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -40,12 +41,16 @@ def test_decode_kernel_matches_sdpa_path(tiny_model_dir, name, dtype):
     lens = (13, 3, 22)  # not multiples of the block size; 22 > the sliding window
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
     tables = [list(range(16 * s + 15, 16 * s - 1, -1)) for s in range(len(lens))]  # blocks in reverse order
-    runner.forward([SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)])  # prefill into the cache
+    prefill = [SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)]
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    want = _step(runner, prefill, kernel=False)  # [S, V]; both write the same keys into the cache
+    got = _step(runner, prefill, kernel=True)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < tol, f"{name} {dtype} prefill: relative logit error {err:.2e}"
 
     decode = [SequenceChunk([int(torch.randint(3, vocab, (1,), generator=gen))], n, t) for n, t in zip(lens, tables)]
     # mixed: two decodes first (the scheduler's order), then a prefill chunk of the third sequence
     mixed = decode[:2] + [SequenceChunk(torch.randint(3, vocab, (5,), generator=gen).tolist(), lens[2], tables[2])]
-    tol = 1e-5 if dtype == "float32" else 2e-2
     for chunks in (decode, mixed):
         want = _step(runner, chunks, kernel=False)  # [S, V] (rewrites the same slots: the cache is unchanged)
         got = _step(runner, chunks, kernel=True)
@@ -67,3 +72,8 @@ def test_which_sequences_the_kernel_takes():
                                               cache, []) == 1
     assert paged_attention.decode_kernel_seqs(meta([1, 1]), cache, [lambda *a: None]) == 0
     assert meta([1, 1, 4]).decode_seq_lens.tolist() == [8, 8]
+    # prefill chunks: the kernel unless the sequence has dropped keys or the layer has observers
+    assert paged_attention.prefill_kernel_applies(meta([1, 5]), 1, cache, [])
+    assert not paged_attention.prefill_kernel_applies(meta([1, 5], [None, torch.zeros(8, dtype=torch.bool)]), 1,
+                                                      cache, [])
+    assert not paged_attention.prefill_kernel_applies(meta([5]), 0, cache, [lambda *a: None])

@@ -13,7 +13,7 @@ import torch
 from hybridmoe.config import ModelConfig
 from hybridmoe.layers.linear import Linear, SharedInput
 from hybridmoe.layers.paged_attention import (AttentionMetadata, attend, decode_kernel_seqs, gather_context,
-                                              paged_decode, write_to_cache)
+                                              paged_decode, paged_prefill, prefill_kernel_applies, write_to_cache)
 from hybridmoe.layers.rope import RotaryEmbedding
 
 
@@ -63,6 +63,9 @@ class GQAttention:
                 return w.o_proj(out.view(num_tokens, -1))
         for s, rows in enumerate(meta.query_slices()):
             if s < decoded:
+                continue
+            if prefill_kernel_applies(meta, s, cache, self.observers):
+                paged_prefill(q[rows], cache[0], cache[1], meta, s, cfg.softmax_scale, cfg.sliding_window, out[rows])
                 continue
             k_ctx = gather_context(cache[0], meta.block_tables[s], meta.seq_lens[s])  # [C, Nk, D]
             v_ctx = gather_context(cache[1], meta.block_tables[s], meta.seq_lens[s])

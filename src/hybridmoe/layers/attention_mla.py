@@ -25,7 +25,7 @@ from hybridmoe.kernels.moe import MatrixHeads, matmul_heads
 from hybridmoe.layers.linear import Linear, SharedInput
 from hybridmoe.layers.norm import rms_norm
 from hybridmoe.layers.paged_attention import (AttentionMetadata, attend, decode_kernel_seqs, gather_context,
-                                              paged_decode, write_to_cache)
+                                              paged_decode, paged_prefill, prefill_kernel_applies, write_to_cache)
 from hybridmoe.layers.rope import RotaryEmbedding
 
 
@@ -153,12 +153,17 @@ class MLAttention:
         q_full[..., lora:] = q_pe  # [T, N, L+R]
         out_lat = torch.empty(num_tokens, cfg.num_heads, lora, dtype=x.dtype, device=x.device)
         decoded = decode_kernel_seqs(meta, cache, self.observers)  # leading one-token sequences: rows [0, decoded)
-        if decoded:  # one shared KV head: the latent + rope key as K, its first L columns as V (views, no copy)
-            latents = cache[:, :, None, :]  # [NB, BS, 1, L+R]
+        # one shared KV head: the latent + rope key as K, its first L columns as V (views, no copy)
+        latents = cache[:, :, None, :]  # [NB, BS, 1, L+R]
+        if decoded:
             paged_decode(q_full[:decoded], latents, latents[..., :lora], meta, cfg.softmax_scale, None,
                          out_lat[:decoded])
         for s, rows in enumerate(meta.query_slices()):
             if s < decoded:
+                continue
+            if prefill_kernel_applies(meta, s, cache, self.observers):
+                paged_prefill(q_full[rows], latents, latents[..., :lora], meta, s, cfg.softmax_scale, None,
+                              out_lat[rows])
                 continue
             ctx = gather_context(cache, meta.block_tables[s], meta.seq_lens[s])[:, None, :]  # [C, 1, L+R]
             for observe in self.observers:

@@ -26,6 +26,8 @@ from hybridmoe.kernels.attention import decode_attention
 
 # Decode steps through the C++ paged decode-attention kernel; False: every step through gather + SDPA (A/B runs).
 DECODE_KERNEL = True
+# Prefill chunks through the same kernel, each new token one query over its causal context; False: gather + SDPA.
+PREFILL_KERNEL = True
 
 
 @dataclass
@@ -132,6 +134,24 @@ def decode_kernel_seqs(meta: AttentionMetadata, cache: torch.Tensor, observers: 
     if not DECODE_KERNEL or observers or not cache.is_cpu:
         return 0
     return meta.decode_seqs
+
+
+def prefill_kernel_applies(meta: AttentionMetadata, seq: int, cache: torch.Tensor, observers: list) -> bool:
+    """Whether `paged_prefill` computes sequence seq's chunk (else gather + `attend`: observers, dropped keys, a
+    cache off the CPU)."""
+    return PREFILL_KERNEL and not observers and cache.is_cpu and meta.dropped_keys(seq) is None
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, seq: int,
+                  scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
+    """Sequence seq's new tokens' causal attention, read in place from the paged cache (their own keys written
+    already): q [n, N, D] -> out [n, N, Dv]. Each token is one query of the decode kernel over the context up to
+    its own position: the sequence's block table for every row, context lengths C - n + 1 .. C. torch's SDPA took
+    about 90 ms a layer at 512 tokens of Qwen3-30B-A3B's heads on 2 Zen 3 threads (12 GMAC/s)."""
+    n, end = q.shape[0], meta.seq_lens[seq]
+    lens = torch.arange(end - n + 1, end + 1)  # [n]
+    tables = meta.block_tables[seq].expand(n, -1)  # [n, max_blocks], one row seen n times
+    decode_attention(q, k_cache, v_cache, tables, lens, scale, sliding_window, out=out)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
