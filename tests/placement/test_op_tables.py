@@ -149,13 +149,13 @@ def test_tables_that_do_not_cover_the_model_leave_the_roofline():
 
 # ---- the shapes are the engine's: traced on our engine (counted, not timed) ------------------------------
 def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
-    """Projections (rows, cols, tokens) run through layers.linear.Linear, absorption shapes (batch, rows, cols, tokens:
-    torch's bmm or the kernels' per-head matmul) and attention calls (SDPA or the paged decode kernel) of one step of
-    our engine."""
+    """Projections (rows, cols, tokens) run through layers.linear.Linear (a LinearGroup's members one by one),
+    absorption shapes (batch, rows, cols, tokens: torch's bmm or the kernels' per-head matmul) and attention calls
+    (SDPA or the paged attention kernel) of one step of our engine."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hybridmoe.layers import attention_mla, paged_attention
-    from hybridmoe.layers.linear import Linear
+    from hybridmoe.layers.linear import Linear, LinearGroup
     from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
 
     linears, absorptions, attention = [], [], [0]
@@ -172,6 +172,10 @@ def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
     runner = ModelRunner(model, 8, 16)
     tokens = list(range(3, 3 + context))
     project, kernel, per_head_kernel = Linear.__call__, paged_attention.decode_attention, attention_mla.matmul_heads
+    grouped = LinearGroup.__call__
+
+    def separately(self, x):  # a group's members one by one, each recorded (the same shapes and outputs)
+        return [m(x) for m in self.members]
 
     def recording(self, x):
         linears.append((self.rows, self.cols, x.numel() // x.shape[-1]))
@@ -188,13 +192,13 @@ def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
     with torch.inference_mode():
         if queries == 1:
             runner.forward([SequenceChunk(tokens[:-1], 0, list(range(8)))])
-        Linear.__call__, paged_attention.decode_attention = recording, counted_kernel
+        Linear.__call__, paged_attention.decode_attention, LinearGroup.__call__ = recording, counted_kernel, separately
         attention_mla.matmul_heads = recorded_heads
         try:
             with Trace():
                 runner.forward([SequenceChunk(tokens[-queries:], context - queries, list(range(8)))])
         finally:
-            Linear.__call__, paged_attention.decode_attention = project, kernel
+            Linear.__call__, paged_attention.decode_attention, LinearGroup.__call__ = project, kernel, grouped
             attention_mla.matmul_heads = per_head_kernel
     return sorted(linears), sorted(absorptions), attention[0]
 

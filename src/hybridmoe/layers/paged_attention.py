@@ -8,8 +8,9 @@ seq_lens[s] tokens.
 
 Decode steps (one new token per sequence) attend through the C++ kernel `kernels.attention.decode_attention`
 (`paged_decode`): it reads each sequence's keys and values in place through its block table, the query heads of
-a group sharing their KV head, so nothing is gathered or repeated. Prefill chunks, sequences with dropped keys,
-layers with observers and caches off the CPU take `gather_context` + `attend` (torch's SDPA).
+a group sharing their KV head, so nothing is gathered or repeated. Prefill chunks take the same kernel
+(`paged_prefill`), each new token one query over its causal context. Sequences with dropped keys, layers with
+observers and caches off the CPU take `gather_context` + `attend` (torch's SDPA).
 
 Legend: T new tokens in the batch, S sequences, N heads, C context tokens of one sequence, D head dim.
 """

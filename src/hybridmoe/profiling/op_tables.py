@@ -149,9 +149,11 @@ def measure_elementwise(timer: OpTimer, dtype: torch.dtype) -> SecondsTable:
 
 def measure_attention(timer: OpTimer, config, dtype: torch.dtype) -> tuple[SecondsTable, SecondsTable]:
     """The engine's context attention of one sequence at the model's head shape: (one query against C keys, read in
-    place by the paged decode kernel as decode steps run it; a chunk of T queries from 0, paged-cache gather +
-    attend + output copy as in layers/attention_*.py)."""
-    from hybridmoe.layers.paged_attention import DECODE_KERNEL, attend, decode_attention, gather_context
+    place by the paged kernel as decode steps run it; a chunk of T queries from 0, each a query of the same kernel
+    over its causal context as `paged_prefill` runs it, or paged-cache gather + attend + output copy where the
+    kernel is switched off, as in layers/attention_*.py)."""
+    from hybridmoe.layers.paged_attention import (DECODE_KERNEL, PREFILL_KERNEL, attend, decode_attention,
+                                                  gather_context)
 
     a = config.attention
     if a.kind == "mla":  # one shared latent "head": keys are latent + rope key, values the latent
@@ -174,8 +176,9 @@ def measure_attention(timer: OpTimer, config, dtype: torch.dtype) -> tuple[Secon
             v = k[..., :value_dim] if a.kind == "mla" else gather_context(cache[1], table, context)
             out[0:queries] = attend(q, k, v, a.softmax_scale, window)
 
-        if queries == 1 and DECODE_KERNEL:
-            tables, lens = table[None], torch.tensor([context])  # [1, NB], [1]
+        if (queries == 1 and DECODE_KERNEL) or (queries > 1 and PREFILL_KERNEL):
+            tables = table[None].expand(queries, -1)  # [T, NB]
+            lens = torch.arange(context - queries + 1, context + 1)  # [T]: each query's causal context
             return timer.median_s(lambda: decode_attention(q, cache[0], values, tables, lens, a.softmax_scale,
                                                            window, out=out))
         return timer.median_s(gathered)
