@@ -362,13 +362,18 @@ void matmul(const PyMatrix& w, nb::object x_obj, nb::object out_obj, const std::
   run_sync([=] { run_matmul(m, xp, x_bf16, M, ldx, yp, y_bf16, p, *kt, global_pool()); });
 }
 
+std::vector<Matrix> matrices_of(const std::vector<const PyMatrix*>& ws) {
+  std::vector<Matrix> mats;
+  for (const PyMatrix* w : ws) mats.push_back(w->m);
+  return mats;
+}
+
 // out[i] = x @ W_i^T for several matrices of one input in one call (run_matmul_group).
 void matmul_group(const std::vector<const PyMatrix*>& ws, nb::object x_obj, nb::list outs, const std::string& path) {
   if (ws.empty()) fail("ws", "no matrices");
   if (nb::len(outs) != ws.size())
     fail("outs", std::to_string(nb::len(outs)) + " outputs for " + std::to_string(ws.size()) + " matrices");
-  std::vector<Matrix> mats;
-  for (const PyMatrix* w : ws) mats.push_back(w->m);
+  const std::vector<Matrix> mats = matrices_of(ws);
   if (const char* what = matmul_group_mismatch(mats.data(), static_cast<int>(mats.size())))
     fail("ws", std::string("the matrices differ in ") + what + ": they cannot share one input's activations");
   const Array x = nb::cast<Array>(x_obj, false);
@@ -805,8 +810,7 @@ NB_MODULE(_native, mod) {
           "(out rounded to nearest even), strided over tokens and heads with contiguous rows; one pool dispatch over "
           "(heads, row block) tasks.");
   mod.def("matmul_group_mismatch", [](const std::vector<const PyMatrix*>& ws) -> std::optional<std::string> {
-            std::vector<Matrix> mats;
-            for (const PyMatrix* w : ws) mats.push_back(w->m);
+            const std::vector<Matrix> mats = matrices_of(ws);
             const char* what = matmul_group_mismatch(mats.data(), static_cast<int>(mats.size()));
             return what ? std::optional<std::string>(what) : std::nullopt;
           }, "ws"_a,

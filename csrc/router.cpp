@@ -25,6 +25,7 @@ void route(const RouteArgs& a) {
   std::vector<float> scores(static_cast<size_t>(E)), choice(static_cast<size_t>(E));
   std::vector<float> group_score(static_cast<size_t>(a.groups));
   std::vector<int64_t> order, kept_groups(static_cast<size_t>(a.topk_groups));
+  std::vector<char> keep(static_cast<size_t>(a.groups));  // per token: whether each group's experts stay
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < a.tokens; ++t) {
     const float* x = a.logits + t * a.logits_stride;
@@ -50,8 +51,8 @@ void route(const RouteArgs& a) {
         group_score[g] = first + second;
       }
       top_k(group_score.data(), a.groups, a.topk_groups, kept_groups.data(), order);
-      std::vector<bool> keep(static_cast<size_t>(a.groups), false);
-      for (int64_t g : kept_groups) keep[static_cast<size_t>(g)] = true;
+      std::fill(keep.begin(), keep.end(), 0);
+      for (int64_t g : kept_groups) keep[static_cast<size_t>(g)] = 1;
       for (int64_t e = 0; e < E; ++e)
         if (!keep[static_cast<size_t>(e / per)]) choice[e] = neg_inf;
     }
