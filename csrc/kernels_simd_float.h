@@ -430,18 +430,45 @@ inline void decode_store(const uint8_t* src, float* dst, I64 kb, I64 ke, typenam
   }
 }
 
-// x^T of one K chunk: xt[k * ld + j] = x[token j][k0 + k] for k < n, j < M, zero for j in [M, ld).
-inline void transpose_chunk(const float* const* xrows, I64 M, I64 k0, I64 n, float* xt, I64 ld) {
-  constexpr I64 kTile = 8;  // 8 x 8 blocks: both sides stay in few cache lines
-  for (I64 kb = 0; kb < n; kb += kTile) {
-    const I64 ke = imin(n, kb + kTile);
-    for (I64 jb = 0; jb < M; jb += kTile)
-      for (I64 j = jb; j < imin(M, jb + kTile); ++j) {
-        const float* src = xrows[j] + k0;
-        for (I64 k = kb; k < ke; ++k) xt[k * ld + j] = src[k];
-      }
-    for (I64 k = kb; k < ke; ++k)
-      for (I64 j = M; j < ld; ++j) xt[k * ld + j] = 0.0f;
+// dst[i * ld + j] = src[j][k + i] for i, j < 8: one 8 x 8 block of x^T in AVX registers (every vector table has
+// them).
+inline void transpose8x8(const float* const* src, I64 k, float* dst, I64 ld) {
+  __m256 r[8], t[8];
+  for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(src[j] + k);
+  for (int j = 0; j < 8; j += 2) {
+    t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);  // per 128-bit lane: (a0 b0 a1 b1)
+    t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);  // (a2 b2 a3 b3)
+  }
+  for (int j = 0; j < 8; j += 4) {
+    r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);  // (a0 b0 c0 d0)
+    r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);  // (a1 b1 c1 d1)
+    r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+    r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {  // lanes: low halves are k + i, high halves k + 4 + i
+    _mm256_storeu_ps(dst + i * ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ld, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+
+// x^T in blocks of bw tokens: xt[(b * K + k) * bw + j] = x[token b * bw + j][k] for k < K, zero for tokens past
+// M. A block's steps lie one after another, so that an outer-product tile streams its x^T (bw floats a step)
+// rather than striding by the whole M (which mapped every step of a chunk onto the same few L1 sets: at 512
+// tokens the GEMM ran at a third of the FMA peak). By 8 x 8 blocks in registers: element by element it took a
+// tenth of a 512-row task's time at 512 tokens.
+inline void transpose_tokens(const float* const* xrows, I64 M, I64 K, float* xt, I64 bw) {
+  for (I64 b = 0; b * bw < M; ++b) {
+    float* block = xt + b * K * bw;
+    const I64 m0 = b * bw, tokens = imin(bw, M - m0), whole = tokens / 8 * 8, k8 = K / 8 * 8;
+    for (I64 j = 0; j < whole; j += 8) {
+      for (I64 k = 0; k < k8; k += 8) transpose8x8(xrows + m0 + j, k, block + k * bw + j, bw);
+      for (I64 k = k8; k < K; ++k)
+        for (I64 i = j; i < j + 8; ++i) block[k * bw + i] = xrows[m0 + i][k];
+    }
+    for (I64 k = 0; k < K; ++k) {
+      for (I64 j = whole; j < tokens; ++j) block[k * bw + j] = xrows[m0 + j][k];
+      for (I64 j = tokens; j < bw; ++j) block[k * bw + j] = 0.0f;
+    }
   }
 }
 
@@ -468,34 +495,40 @@ __attribute__((noinline)) void outer_tile(const float* panel, I64 panel_ld, cons
     for (int v = 0; v < NV; ++v) V::store(out[i] + v * W, acc[i][v]);
 }
 
-// y[(m0 + j) * ldy + row0 + i] (+)= out[i][j] for the tile's valid rows and tokens.
+// y[(m0 + j) * ldy + row0 + i] = out[i][j] for the tile's valid rows and tokens.
 template <int MR, int NT>
-inline void store_outer(float* y, I64 ldy, I64 m0, I64 tokens, I64 row0, I64 valid_rows, bool first,
-                        const float (&out)[MR][NT]) {
+inline void store_outer(float* y, I64 ldy, I64 m0, I64 tokens, I64 row0, I64 valid_rows, const float (&out)[MR][NT]) {
   for (I64 j = 0; j < tokens; ++j) {
     float* dst = y + (m0 + j) * ldy + row0;
-    for (int i = 0; i < MR && i < valid_rows; ++i) dst[i] = first ? out[i][j] : dst[i] + out[i][j];
+    for (int i = 0; i < MR && i < valid_rows; ++i) dst[i] = out[i][j];
   }
 }
 
-// Where a panel tile's outer-product sums go. Chunk by chunk (sums == nullptr): each chunk's sums into y, stored
-// at the first chunk (first) and added after. Rows-outer (a tile's chunks one after another): kept in sums (8
-// rows x ld floats, the tile's own) from chunk to chunk, in registers within one, and stored into y once, after
-// the last chunk (last): y is written once per tile rather than read and written for every 256 columns.
+// Where a panel tile's outer-product sums go: kept in sums (8 rows x ld floats, the tile's own) from chunk to
+// chunk (first: the tile's first chunk), in registers within one, and stored into y once, after the last chunk
+// (last): y is written once per tile rather than read and written for every 256 columns.
 struct OuterSums {
   float* sums;
   bool first, last;
 };
 
-// One block of up to NV * W tokens of an outer-product tile (rows from row0, tokens from m0), per `to`.
+// x^T of one K chunk as transpose_chunk lays it out: the chunk's first step of token block 0 at `at`, block b at
+// at + b * stride, bw tokens a step.
+struct XtBlocks {
+  const float* at;
+  I64 bw, stride;
+  const float* block(I64 m0) const { return at + m0 / bw * stride; }
+};
+
+// One block of up to NV * W tokens of an outer-product tile (rows from row0, tokens from m0: a block of xt), per
+// `to`.
 template <class V, int MR, int NV>
-inline void outer_block(const float* tile, I64 tile_ld, const float* xt, I64 xt_ld, I64 n, float* y, I64 ldy,
+inline void outer_block(const float* tile, I64 tile_ld, XtBlocks xt, I64 n, float* y, I64 ldy,
                         I64 m0, I64 tokens, I64 row0, I64 valid, OuterSums to, float* sums_at) {
   using Out = float[MR][NV * V::W];
-  float local[MR][NV * V::W];
-  Out& out = to.sums ? *reinterpret_cast<Out*>(sums_at) : local;
-  outer_tile<V, MR, NV>(tile, tile_ld, xt + m0, xt_ld, n, out, to.sums && !to.first);
-  if (!to.sums || to.last) store_outer<MR, NV * V::W>(y, ldy, m0, tokens, row0, valid, to.sums || to.first, out);
+  Out& out = *reinterpret_cast<Out*>(sums_at);
+  outer_tile<V, MR, NV>(tile, tile_ld, xt.block(m0), xt.bw, n, out, !to.first);
+  if (to.last) store_outer<MR, NV * V::W>(y, ldy, m0, tokens, row0, valid, out);
 }
 
 // Tokens of a GEMM panel's M that go through dot_block rather than the outer-product blocks of up to 3 vectors
@@ -531,15 +564,15 @@ inline void dot_block(const float* half, I64 tile_ld, const float* const* xrows,
 constexpr int kOuterRows = 4;        // rows per outer-product tile (4 rows x 3 vectors of tokens = 12 accumulators)
 constexpr int kPanelRows = 8;        // rows decoded per panel: one 8 x 1-vector tile, or two 4-row halves
 constexpr I64 kOuterChunkK = 256;    // K per chunk: the tile's panel stays in L1
-constexpr I64 kWholeKBytes = 512 << 10;  // x^T of the whole K up to this size (L2): tiles then run rows-outer
+constexpr I64 kXtBytes = 2 << 20;     // x^T of a block of tokens over the whole K (within L3)
 
 // One panel tile of the GEMM path: rows [r, r + valid) of W over K chunk [k0, k0 + n), decoded once (scales
-// applied) into a float32 panel (float32 weights are read in place), times x^T of the chunk (xt: n rows of
-// xt_ld tokens) as outer products, into y or the tile's running sums (OuterSums). prefetch: the chunk to fetch
+// applied) into a float32 panel (float32 weights are read in place), times x^T of the chunk (xt) as outer
+// products, into y or the tile's running sums (OuterSums: m_ld floats a row). prefetch: the chunk to fetch
 // meanwhile (nullptr: none), `prefetch_rows` rows of w.row_bytes stride, n * B bytes each.
 template <class V, WFormat F>
-inline void panel_tile(const Matrix& w, I64 r, I64 valid, I64 k0, I64 n, float* panel, I64 panel_ld, const float* xt,
-                       I64 xt_ld, const float* const* xrows, I64 M, float* y, I64 ldy, I64 row0, OuterSums to,
+inline void panel_tile(const Matrix& w, I64 r, I64 valid, I64 k0, I64 n, float* panel, I64 panel_ld, XtBlocks xt,
+                       I64 m_ld, const float* const* xrows, I64 M, float* y, I64 ldy, I64 row0, OuterSums to,
                        const uint8_t* prefetch, I64 prefetch_rows) {
   constexpr int W = V::W, MR = kPanelRows;
   constexpr I64 B = bytes_per_weight<F>();
@@ -584,7 +617,7 @@ inline void panel_tile(const Matrix& w, I64 r, I64 valid, I64 k0, I64 n, float* 
     }
   }
   if (M <= W) {  // one vector of tokens: all 8 rows in one tile, so that 8 FMA chains are in flight
-    outer_block<V, MR, 1>(tile, tile_ld, xt, xt_ld, n, y, ldy, 0, M, row0, valid, to, to.sums);
+    outer_block<V, MR, 1>(tile, tile_ld, xt, n, y, ldy, 0, M, row0, valid, to, to.sums);
     return;
   }
   // the last few tokens past whole vectors by dot products (dot_block_tokens), the others in blocks of 3 vectors
@@ -597,22 +630,21 @@ inline void panel_tile(const Matrix& w, I64 r, I64 valid, I64 k0, I64 n, float* 
       dot_block<V>(half, tile_ld, xrows, k0, n, outer_tokens, dot_tokens, y, ldy, row0 + h, hvalid, to.first);
     for (I64 m0 = 0; m0 < outer_tokens; m0 += 3 * W) {
       const I64 tokens = imin(3 * W, outer_tokens - m0);
-      float* sums_at = to.sums ? to.sums + h * xt_ld + m0 * kOuterRows : nullptr;  // the block's [4][<= 3W]
+      float* sums_at = to.sums + h * m_ld + m0 * kOuterRows;  // the block's [4][<= 3W]
       if (tokens > 2 * W)
-        outer_block<V, kOuterRows, 3>(half, tile_ld, xt, xt_ld, n, y, ldy, m0, tokens, row0 + h, hvalid, to, sums_at);
+        outer_block<V, kOuterRows, 3>(half, tile_ld, xt, n, y, ldy, m0, tokens, row0 + h, hvalid, to, sums_at);
       else if (tokens > W)
-        outer_block<V, kOuterRows, 2>(half, tile_ld, xt, xt_ld, n, y, ldy, m0, tokens, row0 + h, hvalid, to, sums_at);
+        outer_block<V, kOuterRows, 2>(half, tile_ld, xt, n, y, ldy, m0, tokens, row0 + h, hvalid, to, sums_at);
       else
-        outer_block<V, kOuterRows, 1>(half, tile_ld, xt, xt_ld, n, y, ldy, m0, tokens, row0 + h, hvalid, to, sums_at);
+        outer_block<V, kOuterRows, 1>(half, tile_ld, xt, n, y, ldy, m0, tokens, row0 + h, hvalid, to, sums_at);
     }
   }
 }
 
-// GEMM path: tiles of 8 rows x K chunks (panel_tile), the tokens' activations transposed (x^T, tokens
-// contiguous) so that the tiles broadcast weights and load token vectors. When x^T of the whole K fits L2
-// (few tokens), it is transposed once and each tile runs over all its chunks before the next tile (rows-outer:
-// the weights stream row after row, the chunk after next prefetched); otherwise chunk by chunk, x^T of one
-// chunk at a time, each chunk over all the rows (the chunk of the tile after next prefetched).
+// GEMM path: the tokens in blocks whose x^T over the whole K fits kXtBytes (whole outer-product blocks of 3W
+// tokens), each transposed once; per token block, tiles of 8 rows run over all their K chunks before the next
+// tile (the weights stream row after row, the chunk after next prefetched), the tile's sums carried across
+// chunks in a buffer and written to y once.
 template <class V, WFormat F>
 void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
   constexpr int W = V::W, MR = kPanelRows;
@@ -620,17 +652,21 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
   const I64 K = w.cols, M = x.m;
   const I64 bc = F == WFormat::FP8 ? w.block_cols : kOuterChunkK;
   const I64 kc = bc * imax(1, kOuterChunkK / bc);
-  const I64 panel_ld = (kc + W - 1) / W * W, xt_ld = (M + W - 1) / W * W;
-  const bool rows_outer = K * xt_ld * 4 <= kWholeKBytes;
-  const I64 xt_rows = rows_outer ? K : kc;
-  float* panel = scratch_floats(MR * panel_ld + xt_rows * xt_ld + (rows_outer ? MR * xt_ld : 0));
+  const I64 panel_ld = (kc + W - 1) / W * W;
+    const I64 block_tokens = imax(1, kXtBytes / (K * 4 * 3 * W)) * 3 * W;
+  const I64 mb = imin(M, block_tokens);
+  // per block: m_ld its tokens padded to whole vectors, bw x^T's blocks (one outer-product tile's tokens, up to 3W),
+  // xt_ld its tokens padded to whole x^T blocks
+  const I64 mb_ld = (mb + W - 1) / W * W, bw = imin(3 * W, mb_ld), xt_ld = (mb + bw - 1) / bw * bw;
+  float* panel = scratch_floats(MR * panel_ld + K * xt_ld + MR * mb_ld);
   float* xt = panel + MR * panel_ld;
-  float* sums = rows_outer ? xt + xt_rows * xt_ld : nullptr;  // a tile's outer-product sums across its chunks
+  float* sums = xt + K * xt_ld;  // a tile's outer-product sums across its chunks
   const float** xrows = scratch_pointers(M);
   for (I64 m = 0; m < M; ++m) xrows[m] = x_row(x, m);
   const bool prefetch = F != WFormat::F32;
-  if (rows_outer) {
-    transpose_chunk(xrows, M, 0, K, xt, xt_ld);
+  for (I64 b0 = 0; b0 < M; b0 += mb) {
+    const I64 mn = imin(mb, M - b0), m_ld = (mn + W - 1) / W * W;
+    transpose_tokens(xrows + b0, mn, K, xt, bw);
     for (I64 r = r0; r < r1; r += MR) {
       const I64 valid = imin(MR, r1 - r);
       for (I64 k0 = 0; k0 < K; k0 += kc) {
@@ -638,20 +674,9 @@ void matmul_fp_gemm(const Matrix& w, I64 r0, I64 r1, const Activations& x, float
         I64 pr = r, pk = k0 + 2 * kc;
         if (pk >= K) pr += MR, pk -= (K + kc - 1) / kc * kc;
         const bool ahead = prefetch && pr < r1 && pk + kc <= K;
-        panel_tile<V, F>(w, r, valid, k0, imin(kc, K - k0), panel, panel_ld, xt + k0 * xt_ld, xt_ld, xrows, M, y,
-                         ldy, r - r0, OuterSums{sums, k0 == 0, k0 + kc >= K},
+        panel_tile<V, F>(w, r, valid, k0, imin(kc, K - k0), panel, panel_ld, XtBlocks{xt + k0 * bw, bw, K * bw}, m_ld,
+                         xrows + b0, mn, y + b0 * ldy, ldy, r - r0, OuterSums{sums, k0 == 0, k0 + kc >= K},
                          ahead ? w.data + pr * w.row_bytes + pk * B : nullptr, imin(MR, r1 - pr));
-      }
-    }
-  } else {
-    for (I64 k0 = 0; k0 < K; k0 += kc) {
-      const I64 n = imin(kc, K - k0);
-      transpose_chunk(xrows, M, k0, n, xt, xt_ld);
-      for (I64 r = r0; r < r1; r += MR) {
-        const I64 pr = r + 2 * MR;  // the chunk of the tile after next streams in while this one computes
-        panel_tile<V, F>(w, r, imin(MR, r1 - r), k0, n, panel, panel_ld, xt, xt_ld, xrows, M, y, ldy, r - r0,
-                         OuterSums{nullptr, k0 == 0, false},
-                         prefetch && pr < r1 ? w.data + pr * w.row_bytes + k0 * B : nullptr, imin(MR, r1 - pr));
       }
     }
   }

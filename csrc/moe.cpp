@@ -82,6 +82,13 @@ struct ActBuffer {
 // the task reads), then halved (down to 16) until there are >= 8 tasks per thread. A task starts cold (its first
 // tile is not prefetched), so short rows (Qwen3-30B-A3B's down projection) need long tasks (docs/kernels.md).
 constexpr I64 kTaskMinBytes = 512 << 10;
+
+// Whether `tokens` tokens of format f take the float GEMM panels, which transpose the tokens' activations once per
+// task (the int formats and AMX tiles work per row block).
+bool transposes_per_task(MatmulPath path, I64 tokens, WFormat f, const KernelTable& kt) {
+  return use_gemm(path, tokens, f, kt.bf16_dot) && !is_int_format(f) && !(kt.amx && use_amx(path, tokens, f));
+}
+
 I64 task_rows(I64 rows, I64 num_slots, int threads, I64 row_bytes, bool gemm = false) {
   I64 blk = gemm ? 1024 : 128;
   while (blk * row_bytes < kTaskMinBytes && blk < rows) blk *= 2;
@@ -220,9 +227,7 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
   std::vector<I64> blk_i(static_cast<size_t>(N), 1), blocks_i(static_cast<size_t>(N), 0), tasks(static_cast<size_t>(N));
   I64 max_tokens = 0, max_blk = 1;
   for (I64 s = 0; s < S; ++s) max_tokens = std::max(max_tokens, slot_begin[s + 1] - slot_begin[s]);
-  // the float GEMM panels transpose x once per task (not the int formats, nor AMX tiles: per row block)
-  const bool gemm = use_gemm(in.path, max_tokens, fmt_, kt.bf16_dot) && !is_int_format(fmt_) &&
-                    !(kt.amx && use_amx(in.path, max_tokens, fmt_));
+  const bool gemm = transposes_per_task(in.path, max_tokens, fmt_, kt);
   for (int n = 0; n < N; ++n) {
     if (!active(n)) continue;
     const I64 rows = nodes[n].end - nodes[n].begin;
@@ -299,11 +304,14 @@ void MoELayer::compute(const MoEInput& in, const KernelTable& kt, ThreadPool& po
 
 // Rows per task of a plain matmul (the model's projections): every task reads at least kMatmulTaskBytes of
 // weights, so a small matrix is one task that runs on the caller (a pool hand-off costs more than it reads),
-// and a large one is cut into about 4 tasks per thread (whole 8-row panels) to balance them.
+// and a large one is cut into about 4 tasks per thread (whole 8-row panels) to balance them; one per thread on
+// the float GEMM path (`gemm`), whose every task transposes all the tokens' activations (at 512 tokens of
+// Qwen3-30B-A3B's k projection, a task of a quarter of its rows would transpose as many floats as it multiplies
+// per 64 rows of weights).
 constexpr I64 kMatmulTaskBytes = 64 << 10;
-I64 matmul_task_rows(I64 rows, int threads, I64 row_bytes) {
+I64 matmul_task_rows(I64 rows, int threads, I64 row_bytes, bool gemm) {
   const I64 least = std::max<I64>(1, ceil_div(kMatmulTaskBytes, std::max<I64>(1, row_bytes)));
-  const I64 balanced = round_up(ceil_div(rows, 4 * static_cast<I64>(threads)), 8);
+  const I64 balanced = round_up(ceil_div(rows, (gemm ? 1 : 4) * static_cast<I64>(threads)), 8);
   return std::min(rows, std::max(least, balanced));
 }
 
@@ -359,7 +367,7 @@ void run_matmul_group(const Matrix* w, int n, const void* x, bool x_bf16, I64 m,
   blk.resize(static_cast<size_t>(n));
   y_off.assign(static_cast<size_t>(n) + 1, 0);
   for (int i = 0; i < n; ++i) {
-    blk[i] = matmul_task_rows(w[i].rows, pool.size(), w[i].row_bytes);
+    blk[i] = matmul_task_rows(w[i].rows, pool.size(), w[i].row_bytes, transposes_per_task(path, m, w[i].fmt, kt));
     first_task[i + 1] = first_task[i] + ceil_div(w[i].rows, blk[i]);
     y_off[i + 1] = y_off[i] + m * w[i].rows;
   }

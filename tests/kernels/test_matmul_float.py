@@ -83,13 +83,14 @@ def _gemm_matrix(fmt: str, rows: int, cols: int, gen: torch.Generator):
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "fp8"])
-def test_gemm_rows_outer_and_chunk_outer_orders(each_isa, fmt):
-    """Few tokens: x^T of the whole K fits L2 and tiles run rows-outer; 130 tokens x 1100 cols (> 512 KB of x^T):
-    chunk by chunk over all rows. Both with partial chunks, a partial last row tile and prefetch across tiles."""
+def test_gemm_in_one_and_several_token_blocks(each_isa, fmt):
+    """The tokens go in blocks whose x^T over the whole K fits 2 MB: 9 and 130 tokens x 1100 cols in one block,
+    475 in two (456 + 19 on AVX2, the last 3 by dot products; 432 + 43 on AVX-512). With partial K chunks, K not a
+    multiple of the 8 x 8 transposes, a partial last row tile and prefetch across tiles."""
     gen = torch.Generator().manual_seed(seed(fmt, "orders", each_isa))
     cols = 1100
     w64, m, data = _gemm_matrix(fmt, 45, cols, gen)
-    for tokens in (9, 130):
+    for tokens in (9, 130, 475):
         x = torch.randn(tokens, cols, generator=gen)
         _check(matmul(m, x, "gemm"), x, w64, bf16=_bf16(m, "gemm", tokens, fmt, *data))
 
@@ -98,8 +99,8 @@ def test_gemm_rows_outer_and_chunk_outer_orders(each_isa, fmt):
 def test_gemm_takes_a_few_last_tokens_by_dot_products(each_isa, fmt):
     """Past whole vectors of tokens, a few last ones go through the GEMV's dot-product tile over the decoded
     panel (dot_block_tokens): 1-5 after full 3-vector blocks, 1-3 past two vectors (19, 25, 28, 29 on AVX2;
-    35, 49, 53 on AVX-512), next to counts that keep padded outer-product blocks (20, 33); rows-outer with its
-    sums carried across chunks (1100 columns), and chunk by chunk (145 tokens)."""
+    35, 49, 53 on AVX-512), next to counts that keep padded outer-product blocks (20, 33); the sums carried
+    across K chunks (1100 columns)."""
     gen = torch.Generator().manual_seed(seed(fmt, "dot tokens", each_isa))
     cols = 1100
     w64, m, data = _gemm_matrix(fmt, 45, cols, gen)
