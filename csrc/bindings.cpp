@@ -232,25 +232,38 @@ struct MoEHandle {
   }
 };
 
+using MutU8 = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// One layer's experts from the lists of their matrices (kept alive in `owners`, when given).
+std::vector<ExpertMatrices> expert_matrices(nb::list gate, nb::list up, nb::list down, std::vector<PyMatrix>* owners) {
+  const size_t E = nb::len(gate);
+  if (nb::len(up) != E || nb::len(down) != E)
+    fail("experts", "gate, up and down lists must have the same length, got " + std::to_string(E) + ", " +
+                        std::to_string(nb::len(up)) + ", " + std::to_string(nb::len(down)));
+  std::vector<ExpertMatrices> experts(E);
+  for (size_t e = 0; e < E; ++e) {
+    const PyMatrix g = nb::cast<PyMatrix>(gate[e]), u = nb::cast<PyMatrix>(up[e]), d = nb::cast<PyMatrix>(down[e]);
+    experts[e] = {g.m, u.m, d.m};
+    if (owners) owners->insert(owners->end(), {g, u, d});
+  }
+  return experts;
+}
+
 struct PyMoE {
   std::unique_ptr<MoELayer> layer;
   std::vector<PyMatrix> matrices;  // owners of the weights' memory
 
-  PyMoE(nb::list gate, nb::list up, nb::list down, int64_t hidden, int64_t intermediate) {
-    const size_t E = nb::len(gate);
-    if (nb::len(up) != E || nb::len(down) != E)
-      fail("experts", "gate, up and down lists must have the same length, got " + std::to_string(E) + ", " +
-                          std::to_string(nb::len(up)) + ", " + std::to_string(nb::len(down)));
-    std::vector<ExpertMatrices> experts(E);
-    for (size_t e = 0; e < E; ++e) {
-      matrices.push_back(nb::cast<PyMatrix>(gate[e]));
-      matrices.push_back(nb::cast<PyMatrix>(up[e]));
-      matrices.push_back(nb::cast<PyMatrix>(down[e]));
-      experts[e] = {matrices[3 * e].m, matrices[3 * e + 1].m, matrices[3 * e + 2].m};
+  // buffers: per node, (uint8 array of its copies' bytes, filled) where the copies go (shard_experts)
+  PyMoE(nb::list gate, nb::list up, nb::list down, int64_t hidden, int64_t intermediate, nb::list buffers) {
+    std::vector<ExpertMatrices> experts = expert_matrices(gate, up, down, &matrices);
+    std::vector<ShardBuffer> where;
+    for (nb::handle b : buffers) {
+      auto [array, filled] = nb::cast<std::pair<MutU8, bool>>(b);
+      where.push_back({array.data(), array.size(), filled});
     }
     {
       nb::gil_scoped_release release;  // copying shards into node memory may take a while
-      layer = std::make_unique<MoELayer>(std::move(experts), hidden, intermediate, global_numa_topology());
+      layer = std::make_unique<MoELayer>(std::move(experts), hidden, intermediate, global_numa_topology(), where);
     }
     if (layer->owns_weights()) matrices.clear();  // every node reads its own copy: let the originals go
   }
@@ -757,12 +770,17 @@ NB_MODULE(_native, mod) {
           "block_rows"_a = 128, "block_cols"_a = 128, "group"_a = 0, "name"_a = "weight",
           "Wraps arrays (no copy) as a weight matrix; checks dtype, shape and layout for the format.");
 
+  mod.def("shard_copy_bytes", [](nb::list gate, nb::list up, nb::list down, int64_t intermediate) {
+    const std::vector<ExpertMatrices> experts = expert_matrices(gate, up, down, nullptr);
+    return shard_copy_bytes(experts, intermediate, global_numa_topology());
+  }, "gate"_a, "up"_a, "down"_a, "intermediate"_a,
+  "Per NUMA node, the bytes of its copies of these experts' shards (empty: the topology reads them in place).");
   nb::class_<MoEHandle>(mod, "MoEHandle")
       .def("wait", &MoEHandle::wait, "Blocks (GIL released) until done; returns the output array.")
       .def("done", &MoEHandle::done);
   nb::class_<PyMoE>(mod, "MoE", "One layer's routed experts for the fused MoE kernels")
-      .def(nb::init<nb::list, nb::list, nb::list, int64_t, int64_t>(), "gate"_a, "up"_a, "down"_a, "hidden"_a,
-           "intermediate"_a)
+      .def(nb::init<nb::list, nb::list, nb::list, int64_t, int64_t, nb::list>(), "gate"_a, "up"_a, "down"_a,
+           "hidden"_a, "intermediate"_a, "buffers"_a = nb::list())
       .def_prop_ro("num_experts", [](const PyMoE& m) { return m.layer->num_experts(); })
       .def_prop_ro("numa_shards", [](const PyMoE& m) {
         nb::list shards;

@@ -124,7 +124,8 @@ std::vector<WorkBufferInfo> work_buffers() {
   return info;
 }
 
-MoELayer::MoELayer(std::vector<ExpertMatrices> experts, I64 hidden, I64 intermediate, const NumaTopology& topology)
+MoELayer::MoELayer(std::vector<ExpertMatrices> experts, I64 hidden, I64 intermediate, const NumaTopology& topology,
+                   const std::vector<ShardBuffer>& buffers)
     : experts_(std::move(experts)), hidden_(hidden), intermediate_(intermediate) {
   if (experts_.empty()) throw std::invalid_argument("MoE layer needs at least one expert");
   fmt_ = experts_[0].gate.fmt;
@@ -139,7 +140,7 @@ MoELayer::MoELayer(std::vector<ExpertMatrices> experts, I64 hidden, I64 intermed
     if (is_int_format(fmt_) && x.gate.group != x.up.group)
       throw std::invalid_argument("expert " + std::to_string(e) + ": gate and up must share a group size");
   }
-  shards_ = shard_experts(experts_, intermediate_, topology);
+  shards_ = shard_experts(experts_, intermediate_, topology, buffers);
   const int N = static_cast<int>(shards_.nodes.size());
   memory_nodes_.assign(static_cast<size_t>(N), -1);
   if (N > 1) memory_nodes_ = topology.memory_node;

@@ -37,8 +37,10 @@ struct MoEInput {
 
 class MoELayer {
  public:
-  // The experts are cut over `topology`'s nodes (one node: used as they are).
-  MoELayer(std::vector<ExpertMatrices> experts, int64_t hidden, int64_t intermediate, const NumaTopology& topology);
+  // The experts are cut over `topology`'s nodes (one node: used as they are); copies go into `buffers` when
+  // given (shard_experts).
+  MoELayer(std::vector<ExpertMatrices> experts, int64_t hidden, int64_t intermediate, const NumaTopology& topology,
+           const std::vector<ShardBuffer>& buffers = {});
   int64_t num_experts() const { return static_cast<int64_t>(experts_.size()); }
   int64_t hidden() const { return hidden_; }
   int64_t intermediate() const { return intermediate_; }

@@ -100,17 +100,19 @@ I64 copy_bytes(const Matrix& w) {
   return bytes;
 }
 
-// Copies w compactly to `dst` (copy_bytes(w) bytes) and returns the matrix reading the copy.
-Matrix copy_matrix(Matrix w, uint8_t* dst) {
+// Copies w compactly to `dst` (copy_bytes(w) bytes; `write` false: another process did) and returns the matrix
+// reading the copy.
+Matrix copy_matrix(Matrix w, uint8_t* dst, bool write) {
   const I64 rb = data_row_bytes(w);
-  for (I64 r = 0; r < w.rows; ++r) std::memcpy(dst + r * rb, w.data + r * w.row_bytes, static_cast<size_t>(rb));
+  for (I64 r = 0; write && r < w.rows; ++r)
+    std::memcpy(dst + r * rb, w.data + r * w.row_bytes, static_cast<size_t>(rb));
   w.data = dst;
   w.row_bytes = rb;
   dst += align64(w.rows * rb);
   const auto [srows, scols] = scale_shape(w);
   if (srows) {
     const I64 sb = static_cast<I64>(scale_bytes(w));
-    for (I64 r = 0; r < srows; ++r)
+    for (I64 r = 0; write && r < srows; ++r)
       std::memcpy(dst + r * scols * sb, static_cast<const uint8_t*>(w.scales) + r * w.scale_stride * sb,
                   static_cast<size_t>(scols * sb));
     w.scales = dst;
@@ -118,8 +120,10 @@ Matrix copy_matrix(Matrix w, uint8_t* dst) {
     dst += align64(srows * scols * sb);
   }
   if (w.fmt == WFormat::FP8) {
-    std::memcpy(dst, w.row_flags, static_cast<size_t>(w.rows));
-    std::memcpy(dst + w.rows, w.subnormal_blocks, static_cast<size_t>(w.rows * w.subnormal_stride));
+    if (write) {
+      std::memcpy(dst, w.row_flags, static_cast<size_t>(w.rows));
+      std::memcpy(dst + w.rows, w.subnormal_blocks, static_cast<size_t>(w.rows * w.subnormal_stride));
+    }
     w.row_flags = dst;
     w.subnormal_blocks = dst + w.rows;
   }
@@ -145,56 +149,105 @@ std::vector<std::pair<I64, I64>> split_range(I64 n, I64 granularity, int parts) 
   return ranges;
 }
 
-ShardedExperts shard_experts(const std::vector<ExpertMatrices>& experts, I64 intermediate,
-                             const NumaTopology& topology) {
-  ShardedExperts out;
-  const int N = topology.num_nodes();
-  if (N <= 1 && !topology.copy_shards) {
-    out.nodes.push_back(NodeShard{0, intermediate, experts, 0, false});
-    return out;
-  }
+namespace {
+
+// The key of a matrix given for several experts (the same memory, scales and shape): copied once, shared again.
+using MatrixKey = std::tuple<const uint8_t*, const void*, I64, I64, I64>;
+MatrixKey matrix_key(const Matrix& m) { return MatrixKey{m.data, m.scales, m.rows, m.cols, m.row_bytes}; }
+
+// The nodes' shards as views of the experts, and the intermediate ranges (copies not made yet).
+std::vector<NodeShard> view_shards(const std::vector<ExpertMatrices>& experts, I64 intermediate, int N,
+                                   std::vector<std::vector<uint8_t>>& down_flags) {
   const I64 granularity = shard_granularity(experts.at(0));
   for (const ExpertMatrices& e : experts)
     if (shard_granularity(e) != granularity)
       throw std::invalid_argument("experts must share one block / group size to be split over NUMA nodes");
   const auto ranges = split_range(intermediate, granularity, N);
+  std::vector<NodeShard> shards;
   for (int n = 0; n < N; ++n) {
     NodeShard shard;
     shard.begin = ranges[n].first;
     shard.end = ranges[n].second;
     if (shard.begin < shard.end) {
       for (const ExpertMatrices& e : experts) {
-        out.down_flags.emplace_back();
+        down_flags.emplace_back();
         shard.experts.push_back({row_shard(e.gate, shard.begin, shard.end), row_shard(e.up, shard.begin, shard.end),
-                                 col_shard(e.down, shard.begin, shard.end, out.down_flags.back())});
+                                 col_shard(e.down, shard.begin, shard.end, down_flags.back())});
       }
     }
-    if (topology.copy_shards && !shard.experts.empty()) {
-      // A matrix given for several experts (the same memory, scales and shape) is copied once and shared again.
-      using Key = std::tuple<const uint8_t*, const void*, I64, I64, I64>;
-      auto key = [](const Matrix& m) { return Key{m.data, m.scales, m.rows, m.cols, m.row_bytes}; };
-      std::set<Key> distinct;
-      I64 bytes = 0;
-      for (const ExpertMatrices& e : shard.experts)
-        for (const Matrix* m : {&e.gate, &e.up, &e.down})
-          if (distinct.insert(key(*m)).second) bytes += copy_bytes(*m);
+    shards.push_back(std::move(shard));
+  }
+  return shards;
+}
+
+I64 node_copy_bytes(const NodeShard& shard) {
+  std::set<MatrixKey> distinct;
+  I64 bytes = 0;
+  for (const ExpertMatrices& e : shard.experts)
+    for (const Matrix* m : {&e.gate, &e.up, &e.down})
+      if (distinct.insert(matrix_key(*m)).second) bytes += copy_bytes(*m);
+  return bytes;
+}
+
+// The shard's matrices copied to dst (written unless `write` is false), in expert order, so that each expert's
+// matrices lie together.
+void copy_shard(NodeShard& shard, uint8_t* dst, bool write) {
+  std::map<MatrixKey, Matrix> copies;
+  for (ExpertMatrices& e : shard.experts)
+    for (Matrix* m : {&e.gate, &e.up, &e.down}) {
+      const auto [it, first] = copies.emplace(matrix_key(*m), *m);
+      if (first) {
+        it->second = copy_matrix(*m, dst, write);
+        dst += copy_bytes(*m);
+      }
+      *m = it->second;
+    }
+}
+
+bool splits_experts(const NumaTopology& topology) { return topology.num_nodes() > 1 || topology.copy_shards; }
+
+}  // namespace
+
+std::vector<size_t> shard_copy_bytes(const std::vector<ExpertMatrices>& experts, I64 intermediate,
+                                     const NumaTopology& topology) {
+  if (!topology.copy_shards || experts.empty()) return {};
+  std::vector<std::vector<uint8_t>> flags;
+  std::vector<size_t> bytes;
+  for (const NodeShard& shard : view_shards(experts, intermediate, topology.num_nodes(), flags))
+    bytes.push_back(static_cast<size_t>(node_copy_bytes(shard)));
+  return bytes;
+}
+
+ShardedExperts shard_experts(const std::vector<ExpertMatrices>& experts, I64 intermediate,
+                             const NumaTopology& topology, const std::vector<ShardBuffer>& buffers) {
+  ShardedExperts out;
+  const int N = topology.num_nodes();
+  if (!splits_experts(topology)) {
+    out.nodes.push_back(NodeShard{0, intermediate, experts, 0, false});
+    return out;
+  }
+  out.nodes = view_shards(experts, intermediate, N, out.down_flags);
+  if (!buffers.empty() && (!topology.copy_shards || static_cast<int>(buffers.size()) != N))
+    throw std::invalid_argument("shard buffers: " + std::to_string(buffers.size()) + " given, the topology copies " +
+                                (topology.copy_shards ? std::to_string(N) : std::string("none")));
+  for (int n = 0; topology.copy_shards && n < N; ++n) {
+    NodeShard& shard = out.nodes[n];
+    if (shard.experts.empty()) continue;
+    const I64 bytes = node_copy_bytes(shard);
+    if (buffers.empty()) {
       out.memory.push_back(std::make_unique<NodeMemory>(static_cast<size_t>(bytes), topology.memory_node[n]));
-      uint8_t* dst = out.memory.back()->data();
-      std::map<Key, Matrix> copies;  // in expert order, so that each expert's matrices lie together
-      for (ExpertMatrices& e : shard.experts)
-        for (Matrix* m : {&e.gate, &e.up, &e.down}) {
-          const auto [it, first] = copies.emplace(key(*m), *m);
-          if (first) {
-            it->second = copy_matrix(*m, dst);
-            dst += copy_bytes(*m);
-          }
-          *m = it->second;
-        }
-      shard.copied_bytes = static_cast<size_t>(bytes);
+      copy_shard(shard, out.memory.back()->data(), true);
       shard.bound = out.memory.back()->bound();
       shard.huge_pages = out.memory.back()->huge_pages();
+    } else {
+      const ShardBuffer& b = buffers[n];
+      if (b.bytes != static_cast<size_t>(bytes))
+        throw std::invalid_argument("shard buffer of node " + std::to_string(n) + ": " + std::to_string(b.bytes) +
+                                    " bytes, its copies take " + std::to_string(bytes));
+      if (!b.filled) shard.bound = bind_to_node(b.data, b.bytes, topology.memory_node[n]);
+      copy_shard(shard, b.data, !b.filled);
     }
-    out.nodes.push_back(std::move(shard));
+    shard.copied_bytes = static_cast<size_t>(bytes);
   }
   if (topology.copy_shards) out.down_flags.clear();  // the copies hold their own flags
   return out;

@@ -4,7 +4,8 @@
 // columns), so a node's partial down projection uses exactly the scales / groups of the whole matrix, and
 // the partial outputs of the nodes sum to the layer's output. Nothing is duplicated: shards are views of the
 // weights, or (topology.copy_shards: several real nodes, or HYBRIDMOE_COPY_EXPERTS=1 also on one node) copies
-// placed in the node's memory instead, 2 MB-aligned and advised for transparent huge pages.
+// placed in the node's memory instead, 2 MB-aligned and advised for transparent huge pages, or into buffers the
+// caller gives (ShardBuffer: a shared-memory segment that several processes map, written by one of them).
 //
 // Legend: I expert intermediate, H hidden, N nodes.
 #pragma once
@@ -31,6 +32,15 @@ struct NodeShard {
   bool huge_pages = false;              // that memory is advised for transparent huge pages (madvise)
 };
 
+// Where one node's copies go instead of memory of their own (shard_copy_bytes(...)[node] bytes): written there,
+// the buffer first bound to the node's memory (its pages moved), unless `filled` (another process wrote the same
+// copies there: only the matrices' pointers are laid out).
+struct ShardBuffer {
+  uint8_t* data = nullptr;
+  size_t bytes = 0;
+  bool filled = false;
+};
+
 struct ShardedExperts {
   std::vector<NodeShard> nodes;
   std::vector<std::unique_ptr<NodeMemory>> memory;   // the copies' storage
@@ -42,8 +52,12 @@ int64_t shard_granularity(const ExpertMatrices& e);
 // [0, n) cut into `parts` contiguous ranges of whole `granularity` units (the last unit may be partial),
 // as even as the units allow; some ranges are empty when there are fewer units than parts.
 std::vector<std::pair<int64_t, int64_t>> split_range(int64_t n, int64_t granularity, int parts);
-// The experts cut over the topology's nodes (one node: the experts themselves, no copy).
+// The experts cut over the topology's nodes (one node: the experts themselves, no copy); with copies, into
+// `buffers` when given (one per node), else into memory of each node's own.
 ShardedExperts shard_experts(const std::vector<ExpertMatrices>& experts, int64_t intermediate,
-                             const NumaTopology& topology);
+                             const NumaTopology& topology, const std::vector<ShardBuffer>& buffers = {});
+// The bytes of each node's copies (empty: the topology makes none).
+std::vector<size_t> shard_copy_bytes(const std::vector<ExpertMatrices>& experts, int64_t intermediate,
+                                     const NumaTopology& topology);
 
 }  // namespace hm

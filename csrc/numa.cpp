@@ -168,6 +168,37 @@ void validate_numa_topology(const NumaTopology& topology, const std::vector<int>
   }
 }
 
+namespace {
+
+// mbind(MPOL_BIND) of the page-aligned [p, p + bytes) to OS node `node` with `flags`; false where not done.
+bool bind_range(void* p, size_t bytes, int node, unsigned flags) {
+#if defined(__linux__)
+  if (node < 0 || node >= 1024 || bytes == 0) return false;
+  unsigned long mask[1024 / (8 * sizeof(unsigned long))] = {};
+  mask[node / (8 * sizeof(unsigned long))] |= 1UL << (node % (8 * sizeof(unsigned long)));
+  constexpr int kMpolBind = 2;
+  return syscall(SYS_mbind, p, bytes, kMpolBind, mask, sizeof(mask) * 8, flags) == 0;
+#else
+  (void)p, (void)bytes, (void)node, (void)flags;
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool bind_to_node(void* p, size_t bytes, int node) {
+#if defined(__linux__)
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t start = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) / page * page;
+  constexpr unsigned kMpolMfMove = 2;  // pages already there move to the node
+  return end > start && bind_range(reinterpret_cast<void*>(start), end - start, node, kMpolMfMove);
+#else
+  (void)p, (void)bytes, (void)node;
+  return false;
+#endif
+}
+
 NodeMemory::NodeMemory(size_t bytes, int node) : size_(bytes) {
   if (bytes == 0) return;
 #if defined(__linux__)
@@ -192,12 +223,7 @@ NodeMemory::NodeMemory(size_t bytes, int node) : size_(bytes) {
     if (p == MAP_FAILED) throw std::bad_alloc();
     data_ = static_cast<uint8_t*>(p);
   }
-  if (node >= 0 && node < 1024) {
-    unsigned long mask[1024 / (8 * sizeof(unsigned long))] = {};
-    mask[node / (8 * sizeof(unsigned long))] |= 1UL << (node % (8 * sizeof(unsigned long)));
-    constexpr int kMpolBind = 2;
-    bound_ = syscall(SYS_mbind, data_, mapped_, kMpolBind, mask, sizeof(mask) * 8, 0) == 0;
-  }
+  bound_ = bind_range(data_, mapped_, node, 0);
 #else
   (void)node;
   data_ = static_cast<uint8_t*>(::operator new(bytes));

@@ -36,6 +36,10 @@ NumaTopology detect_numa_topology();
 // HYBRIDMOE_COPY_EXPERTS=1 / 0 turns the load-time copies on (one node too: the experts whole) / off.
 NumaTopology default_numa_topology();
 
+// The whole pages of [p, p + bytes) bound (mbind MPOL_BIND) to OS node `node`, the pages already there moved
+// (MPOL_MF_MOVE); false where not done (node < 0, no whole page, or the kernel refused).
+bool bind_to_node(void* p, size_t bytes, int node);
+
 // Anonymous memory of `bytes` bound (mbind MPOL_BIND) to OS node `node` (no binding when node < 0 or the
 // kernel refuses: `bound` says which). From 2 MB on it is 2 MB-aligned and advised for transparent huge pages
 // (`huge_pages`: the advice was taken; the kernel grants them where THP is not "never"). Freed with the object.

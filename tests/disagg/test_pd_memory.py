@@ -136,16 +136,19 @@ def test_pd_workers_give_the_single_engine_greedy_tokens_mixtral(tiny_model_dir)
         engine.shutdown()
 
 
-def _transformed_memory(model_dir, shared: bool, monkeypatch) -> tuple[int, dict[str, dict[str, int]]]:
-    """Serve a few requests through PDEngine (float32 from a bf16 checkpoint); -> (the shared segment's kB, 0
-    without it; per worker role: its Pss and private kB, and its mapping of the segment's kB)."""
+MEMORY_PROMPTS = [[(i * 37 + j * 11) % 300 + 1 for j in range(48)] for i in range(4)]
+MEMORY_PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _transformed_memory(model_dir, shared: bool, monkeypatch) -> tuple[int, dict[str, dict[str, int]], list]:
+    """Serve MEMORY_PROMPTS through PDEngine in float32; -> (the shared segment's kB, 0 without it; per worker
+    role: its Pss and private kB, and its mapping of the segment's kB; the greedy tokens)."""
     monkeypatch.setenv("HYBRIDMOE_PD_SHARED_WEIGHTS", "1" if shared else "0")  # the workers inherit it
     engine = PDEngine(model_dir, EngineConfig(dtype="float32", kv_cache_gb=0.05))
     engine.start()
     try:
         engine.wait_ready_sync(HANG_S)
-        prompts = [[(i * 37 + j * 11) % 300 + 1 for j in range(48)] for i in range(4)]
-        asyncio.run(_run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)))
+        tokens = asyncio.run(_run(engine, MEMORY_PROMPTS, MEMORY_PARAMS))
         segments = weights_segments(engine.prefix)
         assert len(segments) == shared
         segment_kb = segments[0].stat().st_size // 1024 if shared else 0
@@ -158,7 +161,7 @@ def _transformed_memory(model_dir, shared: bool, monkeypatch) -> tuple[int, dict
                               "segment_rss": mapped.get("Rss", 0), "segment_pss": mapped.get("Pss", 0),
                               "segment_private": mapped.get("Private_Clean", 0) + mapped.get("Private_Dirty", 0),
                               "checkpoint_private": checkpoint["Private_Clean"] + checkpoint["Private_Dirty"]}
-        return segment_kb, measured
+        return segment_kb, measured, tokens
     finally:
         engine.shutdown()
 
@@ -170,8 +173,8 @@ def test_transformed_weights_are_held_once(tiny_model_dir, monkeypatch):
                                tie_word_embeddings=True, num_hidden_layers=2, num_attention_heads=8,
                                num_key_value_heads=2, head_dim=128, moe_intermediate_size=64, num_experts=4,
                                num_experts_per_tok=2)
-    segment_kb, shared = _transformed_memory(model_dir, True, monkeypatch)
-    _, separate = _transformed_memory(model_dir, False, monkeypatch)
+    segment_kb, shared, _ = _transformed_memory(model_dir, True, monkeypatch)
+    _, separate, _ = _transformed_memory(model_dir, False, monkeypatch)
     print(f"\nsegment {segment_kb} kB; with it: {shared}; each worker its own: {separate}")
     assert segment_kb > 60_000
     # both workers compute from the segment's pages (the tied LM head reads it whole) ...
@@ -188,6 +191,29 @@ def test_transformed_weights_are_held_once(tiny_model_dir, monkeypatch):
         assert own - ours > 0.75 * segment_kb, role
     saved = sum(w["pss"] for w in separate.values()) - sum(w["pss"] for w in shared.values())
     assert saved > 0.75 * segment_kb
+
+
+def test_numa_shard_copies_of_the_experts_are_held_once(tiny_model_dir, monkeypatch):
+    # HYBRIDMOE_COPY_EXPERTS=1: the kernels copy each NUMA node's shard of the experts at load (what several real
+    # nodes do), here the one node's experts whole: 2 layers x 8 x 3 x 512 x 512 float32, 48 MB, which the first
+    # worker writes into the segment and the other maps
+    model_dir = tiny_model_dir("qwen3_moe", hidden_size=512, moe_intermediate_size=512, num_hidden_layers=2,
+                               num_experts=8, num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=2,
+                               head_dim=64)
+    expert_kb = 2 * 8 * 3 * 512 * 512 * 4 // 1024
+    expected = [r.token_ids for r in LLM(model_dir, dtype="float32").generate(MEMORY_PROMPTS, MEMORY_PARAMS)]
+    monkeypatch.setenv("HYBRIDMOE_COPY_EXPERTS", "1")  # the workers inherit it
+    segment_kb, shared, tokens = _transformed_memory(model_dir, True, monkeypatch)
+    _, separate, separate_tokens = _transformed_memory(model_dir, False, monkeypatch)
+    print(f"\nexperts {expert_kb} kB, segment {segment_kb} kB; with it: {shared}; each worker its own: {separate}")
+    assert tokens == separate_tokens == expected
+    assert expert_kb <= segment_kb < 1.1 * expert_kb  # the copies, nothing else is made at load here
+    for role in ("prefill", "decode"):  # both compute from the copies in the segment ...
+        assert shared[role]["segment_rss"] > 0.5 * segment_kb, role
+    # ... which the machine counts once; workers with copies of their own hold twice the experts
+    assert shared["prefill"]["segment_pss"] + shared["decode"]["segment_pss"] <= 1.02 * segment_kb
+    saved = sum(w["pss"] for w in separate.values()) - sum(w["pss"] for w in shared.values())
+    assert saved > 0.75 * expert_kb
 
 
 def test_restarted_worker_maps_the_shared_weights_again(tiny_model_dir):

@@ -102,6 +102,48 @@ def test_shard_copies_hold_every_weight_once(fmt, group, granularity):
         assert [b[:2] for b in buffers] == [(-1, -1), (0, 0), (1, 0)] and all(b[3] for b in buffers[1:])
 
 
+@pytest.mark.parametrize("fmt,group,granularity", [("fp8", 32, 128), ("int4", 32, 32), ("bf16", 32, 32)])
+def test_shard_copies_into_given_buffers_are_written_once_and_read_by_another_layer(fmt, group, granularity):
+    """What two PD workers do with the segment they share: the first layer writes each node's copies into the
+    buffers it is given (shard_copy_bytes long), a second one told they are filled lays its matrices over them
+    without writing; both compute the single-node result, after the original weights are gone."""
+    gen = torch.Generator().manual_seed(seed(fmt, group, "buffers"))
+    kwargs, exact = random_experts(fmt, E, H, I, gen, group=group)
+    batches = list(_batches(gen))
+    expected = [FusedMoE(**kwargs)(*batch) for batch in batches]
+    with numa.use_numa(_emulated_nodes(2), copy_shards=True, memory_nodes=[0, 0]):
+        sizes = [s[2] for s in FusedMoE(**kwargs).numa_shards]
+        buffers = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+        asked = []
+
+        def storage(filled):
+            def get(node, nbytes):
+                asked.append((node, nbytes))
+                return buffers[node], filled
+            return get
+
+        writer = FusedMoE(**kwargs, shard_storage=storage(False))
+        assert asked == list(enumerate(sizes)) and all(b.any() for b in buffers)
+        written = [b.clone() for b in buffers]
+        reader = FusedMoE(**kwargs, shard_storage=storage(True))
+        assert all(torch.equal(b, w) for b, w in zip(buffers, written)), "a filled buffer was written"
+        assert writer.owns_weights and reader.owns_weights
+        assert [s[2] for s in reader.numa_shards] == sizes
+        for name in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale"):
+            for t in kwargs.get(name, []):  # both layers must read the buffers, not these
+                t.view(torch.uint8).fill_(0x3C)
+        for batch, single_out in zip(batches, expected):
+            for layer in (writer, reader):
+                out = layer(*batch)
+                assert _error(out, single_out) < 1e-5
+                assert _error(out, reference.moe_reference(*batch, exact)) < _reference_tolerance(fmt)
+        with pytest.raises(ValueError, match="shard buffer of node 0: 7 bytes, its copies take"):
+            FusedMoE(**kwargs, shard_storage=lambda node, nbytes: (torch.zeros(7 if node == 0 else nbytes,
+                                                                               dtype=torch.uint8), False))
+    with numa.use_numa(_emulated_nodes(2)):  # views, no copies: nothing is asked for
+        FusedMoE(**kwargs, shard_storage=lambda node, nbytes: pytest.fail("asked for a buffer"))
+
+
 def test_copied_layer_lets_the_original_weights_go():
     gen = torch.Generator().manual_seed(5)
     kwargs, exact = random_experts("fp8", E, H, I, gen)

@@ -2,7 +2,8 @@
 
 The loader views most weights in the mapped checkpoint, which the page cache holds once for every process; what it
 makes instead (models/transformed_weights.py: weights converted to the compute dtype, FP8 ones dequantised,
-routers in float32) would be each worker's own. `SharedWeights` is the `TransformedWeights` of a worker: the first
+routers in float32), and the kernels' copies of the experts per NUMA node (ExpertWeights.shard_storage), would be
+each worker's own. `SharedWeights` is the `TransformedWeights` of a worker: the first
 to load writes each such weight into the segment `<front prefix>weights-<fingerprint hash>` and computes from it;
 the other, and a worker restarted after a crash, map the segment read-only and compute from its tensors (zero-copy,
 as from the checkpoint's) without making them again. The segment is removed with the front's other segments

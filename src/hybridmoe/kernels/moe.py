@@ -16,6 +16,7 @@ Legend: T tokens, H hidden, K top-k, I expert intermediate, E experts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +57,8 @@ class FusedMoE:
     def __init__(self, fmt: str, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor],
                  gate_scale: list[torch.Tensor] | None = None, up_scale: list[torch.Tensor] | None = None,
                  down_scale: list[torch.Tensor] | None = None, *, hidden_size: int, intermediate_size: int,
-                 block: tuple[int, int] = (128, 128)):
+                 block: tuple[int, int] = (128, 128),
+                 shard_storage: Callable[[int, int], tuple[torch.Tensor, bool]] | None = None):
         if not gate:
             raise ValueError("FusedMoE needs at least one expert")
         self.fmt, self.hidden_size, self.intermediate_size = fmt, hidden_size, intermediate_size
@@ -70,7 +72,13 @@ class FusedMoE:
             for e, t in enumerate(tensors):
                 matrices[name].append(kernel_matrix(fmt, t, s[e] if s is not None else None, cols=cols,
                                                     block=block, name=f"expert {e} {name}"))
-        self._native = _native.MoE(matrices["gate"], matrices["up"], matrices["down"], H, I)
+        # shard_storage: where each NUMA node's copies go (ExpertWeights.shard_storage), held alive here
+        self._buffers = []
+        if shard_storage is not None:
+            sizes = _native.shard_copy_bytes(matrices["gate"], matrices["up"], matrices["down"], I)
+            self._buffers = [shard_storage(node, nbytes) for node, nbytes in enumerate(sizes)]
+        self._native = _native.MoE(matrices["gate"], matrices["up"], matrices["down"], H, I,
+                                   [(_dlpack(b), filled) for b, filled in self._buffers])
         tensors = (gate, up, down, gate_scale, up_scale, down_scale)
         self.nbytes = sum(t.numel() * t.element_size() for group in tensors if group for t in group)
         # Views of the caller's tensors keep their memory alive; copies in node memory need nothing from them.

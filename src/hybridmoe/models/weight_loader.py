@@ -13,6 +13,7 @@ this process's memory, or a segment that `serve --pd`'s workers share).
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterable
 
@@ -90,8 +91,16 @@ class WeightLoader:
         """Routed experts from (gate, up, down) weight names per expert.
 
         Experts stay as stored, zero-copy, whatever the compute dtype: FP8 with its block scales, int4/int8
-        packed with their group scales, BF16/FP16/FP32 as they are (the backends convert on the fly).
+        packed with their group scales, BF16/FP16/FP32 as they are (the backends convert on the fly). Copies a
+        backend makes of them per NUMA node go where the transformed weights go when those are shared.
         """
+        names = list(names)
+        weights = self._experts(names, inter, hidden)
+        if not isinstance(self.transformed, PrivateWeights) and names:
+            weights.shard_storage = functools.partial(_shard_buffer, self.transformed, names[0][0])
+        return weights
+
+    def _experts(self, names: list[tuple[str, str, str]], inter: int, hidden: int) -> ExpertWeights:
         if self.config.expert_quantization is not None:
             return self._int_experts(names, inter, hidden)
         gate, up, down, scales = [], [], [], ([], [], [])
@@ -180,3 +189,12 @@ class _Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+def _shard_buffer(transformed: TransformedWeights, first_name: str, node: int, nbytes: int) -> tuple[torch.Tensor, bool]:
+    """The buffer of a layer's expert copies for NUMA node `node` (keyed by the layer's first expert weight), and
+    whether another process has filled it: `transformed` calls fill only where this process makes it."""
+    made: list[bool] = []
+    buffer = transformed.get(f"{first_name}:numa_shard_copies.{node}", (nbytes,), torch.uint8,
+                             lambda out: made.append(True))
+    return buffer, not made

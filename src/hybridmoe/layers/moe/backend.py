@@ -10,6 +10,7 @@ Legend: T tokens, H hidden, E experts, K top-k, I expert intermediate size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -39,6 +40,9 @@ class ExpertWeights:
     up_scale: list[torch.Tensor] | None = None
     down_scale: list[torch.Tensor] | None = None
     block_size: tuple[int, int] = (128, 128)
+    # Where a backend that copies the experts per NUMA node puts each node's copies: (node, bytes) -> (uint8 buffer
+    # of those bytes, already filled by another process). None: memory of the backend's own.
+    shard_storage: Callable[[int, int], tuple[torch.Tensor, bool]] | None = None
 
     @property
     def num_experts(self) -> int:

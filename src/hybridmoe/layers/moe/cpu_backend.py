@@ -45,7 +45,8 @@ class CpuExpertBackend:
                   for name in ("gate", "up", "down")}
         self.moe = FusedMoE(fmt, tensors["gate"], tensors["up"], tensors["down"], scales["gate"], scales["up"],
                             scales["down"], hidden_size=weights.down[0].shape[0],
-                            intermediate_size=weights.gate[0].shape[0], block=tuple(weights.block_size))
+                            intermediate_size=weights.gate[0].shape[0], block=tuple(weights.block_size),
+                            shard_storage=weights.shard_storage)
 
     @property
     def numa_copied_bytes(self) -> int:
