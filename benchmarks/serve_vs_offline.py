@@ -3,12 +3,14 @@
 1. Throughput: one batch (--batch prompts of --prompt-tokens tokens, greedy, --max-tokens tokens each, EOS ignored)
    through `LLM.generate` in this process, and through `hybridmoe serve` (a subprocess on 127.0.0.1) as that many
    concurrent /v1/completions requests from this process, streamed and not. Output tokens per second of each, and
-   server / offline; rounds alternate the three, the figures are the medians of the rounds' ratios.
+   server / offline; rounds alternate the three, the figures are the medians of the rounds' ratios. With
+   --stream-interval N > 1 (default 4) the rounds also stream the batch through a third server started with
+   `--stream-interval N` (an event per N tokens of a request, as vLLM's and SGLang's option).
 2. Prefix caching in a chat: a conversation whose first turn holds a ~--context-tokens system prompt; the TTFT of
    its second turn (time to the first streamed content) on a server with prefix caching and one without
    (`--no-prefix-caching`), both running, asked in alternation; cached / uncached, median of the rounds.
 
-    python benchmarks/serve_vs_offline.py [--model demo] [--rounds 3] [--json PATH]
+    python benchmarks/serve_vs_offline.py [--model demo] [--rounds 3] [--stream-interval 4] [--json PATH]
 
 OpenMP threads wait passively here (OMP_WAIT_POLICY=PASSIVE unless set), in this process and the servers alike: on a
 machine whose cores other jobs also use, torch's spinning OpenMP team on the main thread made LLM.generate many
@@ -193,12 +195,18 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--context-tokens", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stream-interval", type=int, default=4,
+                        help="also stream through a server with this --stream-interval (1: not)")
     parser.add_argument("--json", default=None, help="write the settings and every round's figures here")
     args = parser.parse_args()
 
     llm = LLM(args.model)
     prompts = _prompts(args.batch, args.prompt_tokens, llm.engine.model_config.vocab_size)
     servers = {"cached": _Server(args.model), "uncached": _Server(args.model, "--no-prefix-caching")}
+    runs = [("streamed", "cached", True), ("gathered", "cached", False)]
+    if args.stream_interval > 1:
+        servers["interval"] = _Server(args.model, "--stream-interval", str(args.stream_interval))
+        runs.append(("interval", "interval", True))
     try:
         _offline_batch(llm, prompts[:2], 4)  # warm-up of both paths
         asyncio.run(_server_batch(servers["cached"].url, prompts[:2], 4, True))
@@ -206,21 +214,23 @@ def main() -> int:
         for _ in range(args.rounds):
             offline_s, offline_tokens = _offline_batch(llm, prompts, args.max_tokens)
             row = {"offline_tok_s": offline_tokens / offline_s, "load_avg_1m": os.getloadavg()[0]}
-            for name, stream in (("streamed", True), ("gathered", False)):
-                server_cpu = servers["cached"].cpu_seconds()
+            for name, server, stream in runs:
+                server_cpu = servers[server].cpu_seconds()
                 server_s, server_tokens, client_cpu = asyncio.run(_server_batch(
-                    servers["cached"].url, prompts, args.max_tokens, stream))
+                    servers[server].url, prompts, args.max_tokens, stream))
                 assert offline_tokens == server_tokens == args.batch * args.max_tokens
                 row[f"{name}_tok_s"], row[f"{name}_ratio"] = server_tokens / server_s, offline_s / server_s
                 row[f"{name}_client_cpu_s"] = client_cpu
                 if server_cpu is not None:
-                    row[f"{name}_server_cpu_s"] = servers["cached"].cpu_seconds() - server_cpu
+                    row[f"{name}_server_cpu_s"] = servers[server].cpu_seconds() - server_cpu
             throughput.append(row)
             print(f"throughput: offline {row['offline_tok_s']:.1f} tok/s; server streamed {row['streamed_tok_s']:.1f} "
                   f"tok/s ({row['streamed_ratio']:.3f} of offline), not streamed {row['gathered_tok_s']:.1f} tok/s "
                   f"({row['gathered_ratio']:.3f}); CPU s streamed / not: server {row.get('streamed_server_cpu_s', 0):.2f} / "
                   f"{row.get('gathered_server_cpu_s', 0):.2f}, client {row['streamed_client_cpu_s']:.2f} / "
-                  f"{row['gathered_client_cpu_s']:.2f}; load average {row['load_avg_1m']:.1f}")
+                  f"{row['gathered_client_cpu_s']:.2f}; load average {row['load_avg_1m']:.1f}"
+                  + (f"; streamed at interval {args.stream_interval} {row['interval_tok_s']:.1f} tok/s "
+                     f"({row['interval_ratio']:.3f})" if "interval_ratio" in row else ""))
 
         system = _long_system_prompt(servers["cached"].url, args.context_tokens)
         ttft = []
@@ -239,11 +249,14 @@ def main() -> int:
                "gathered_ratio_median": statistics.median(t["gathered_ratio"] for t in throughput),
                "streamed_server_cpu_s_median": _median(t.get("streamed_server_cpu_s") for t in throughput),
                "gathered_server_cpu_s_median": _median(t.get("gathered_server_cpu_s") for t in throughput),
+               "interval_ratio_median": _median(t.get("interval_ratio") for t in throughput),
                "load_avg_1m": [t["load_avg_1m"] for t in throughput],
                "ttft_ratio_median": statistics.median(t["ratio"] for t in ttft)}
     print(f"\nmedian of {args.rounds} rounds: throughput server / offline {summary['streamed_ratio_median']:.3f} "
           f"streamed, {summary['gathered_ratio_median']:.3f} not streamed (goal >= 0.90); TTFT of the second chat "
           f"turn with / without prefix caching {summary['ttft_ratio_median']:.3f} (goal <= 0.2)")
+    if summary["interval_ratio_median"] is not None:
+        print(f"streamed with --stream-interval {args.stream_interval}: {summary['interval_ratio_median']:.3f} of offline")
     if summary["streamed_server_cpu_s_median"] is not None:
         tokens = args.batch * args.max_tokens
         print(f"server CPU per output token (median): {summary['streamed_server_cpu_s_median'] / tokens * 1e6:.0f} us "

@@ -5,11 +5,12 @@ failures in a step, loading errors and shutdown reach the callers."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
 from hybridmoe import LLM, SamplingParams
-from hybridmoe.runtime.async_engine import AsyncLLMEngine, EngineNotReadyError, EngineStepError
+from hybridmoe.runtime.async_engine import AsyncLLMEngine, EngineNotReadyError, EngineStepError, StreamBuffer
 from hybridmoe.runtime.engine import EngineConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -25,10 +26,10 @@ def _run(coro, timeout: float = 60):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-async def _started(model_dir, **options) -> tuple[AsyncLLMEngine, list]:
+async def _started(model_dir, stream_interval: int = 1, **options) -> tuple[AsyncLLMEngine, list]:
     finished = []
     engine = AsyncLLMEngine(model_dir, EngineConfig(dtype="float32", block_size=4, **options),
-                            on_request_finished=finished.append)
+                            on_request_finished=finished.append, stream_interval=stream_interval)
     engine.start()
     await engine.wait_ready()
     return engine, finished
@@ -171,6 +172,49 @@ def test_a_slow_caller_gets_the_waiting_outputs_merged(model_dir):
         finally:
             engine.shutdown()
     _run(main())
+
+
+def test_a_stream_interval_sends_the_first_output_then_one_per_interval_tokens(model_dir):
+    """stream_interval 4: each request's first output alone, then merged outputs of 4 tokens (one a step here),
+    the last whatever is left with finished (1, 4, 4, 2 tokens; a caller that falls behind merges consecutive ones,
+    so every output but the last ends after 1 + 4k tokens); the tokens and text those of LLM.generate."""
+    params = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
+    expected = LLM(model_dir, dtype="float32", block_size=4).generate(PROMPTS, params)
+
+    async def main():
+        engine, _ = await _started(model_dir, stream_interval=4)
+        try:
+            async def collect(prompt):
+                return [out async for out in engine.generate(prompt, params)]
+            for outs, want in zip(await asyncio.gather(*(collect(p) for p in PROMPTS)), expected):
+                ends = list(itertools.accumulate(len(out.new_token_ids) for out in outs))
+                assert len(outs) <= 4 and ends[-1] == 11 and all(end % 4 == 1 for end in ends[:-1]), ends
+                assert [out.finished for out in outs] == [False] * (len(outs) - 1) + [True]
+                assert [t for out in outs for t in out.new_token_ids] == want.token_ids
+                assert "".join(out.new_text for out in outs) == want.text
+        finally:
+            engine.shutdown()
+    _run(main())
+    with pytest.raises(ValueError, match="stream_interval must be at least 1, got 0"):
+        AsyncLLMEngine(model_dir, stream_interval=0)
+
+
+def test_stream_buffer_holds_outputs_until_due():
+    from hybridmoe.runtime.engine import RequestOutput
+
+    def out(n, finished=False):
+        return RequestOutput("r", [1], [], "", new_token_ids=[7] * n, finished=finished)
+
+    one = StreamBuffer(1)
+    assert all(len(one.push(o)) == 1 for o in (out(1), out(1), out(1, True)))
+    buffer = StreamBuffer(3)
+    first = out(1)
+    assert buffer.push(first) == [first]  # the first output at once (time to first token)
+    a, b, c = out(1), out(1), out(2)
+    assert buffer.push(a) == [] and buffer.push(b) == []
+    assert buffer.push(c) == [a, b, c]  # 4 >= 3 tokens gathered: all of them, in order
+    d, last = out(1), out(0, finished=True)
+    assert buffer.push(d) == [] and buffer.push(last) == [d, last]  # the last at once, with what was held
 
 
 def test_merged_outputs_keep_logprobs_and_stop_at_the_finished_one():

@@ -1,5 +1,6 @@
 """The streamed chunks' JSON, written from a per-stream template, is byte for byte the JSON of the chunk as a dict
-(what the server sent before); a slow client gets the stream's text and usage whole; logit_bias (OpenAI's semantics) moves greedy tokens and is checked (400 naming it)."""
+(what the server sent before); a slow client, and a server with a stream interval, give the stream's text and usage
+whole; logit_bias (OpenAI's semantics) moves greedy tokens and is checked (400 naming it)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import json
 import httpx
 import pytest
 
-from hybridmoe.runtime.engine import RequestOutput
+from hybridmoe.runtime.async_engine import AsyncLLMEngine
+from hybridmoe.runtime.engine import EngineConfig, RequestOutput
 from hybridmoe.runtime.logprobs import TokenLogprobs
 from hybridmoe.runtime.tokenizer import load_tokenizer
 from hybridmoe.serve.chat import _ChatStream
@@ -17,7 +19,9 @@ from hybridmoe.serve.completions import _CompletionStream
 from hybridmoe.serve.generation import to_json, usage
 from hybridmoe.serve.logprobs import TokenStrings, chat_logprobs, completion_logprobs, merge_completion_logprobs
 
-from .conftest import MODEL_NAME
+from hybridmoe.cli import main
+
+from .conftest import MODEL_NAME, running_server, tiny_engine
 
 
 def _out(text: str, ids: list[int], finished: bool = False, reason: str | None = None, logprobs: bool = False):
@@ -90,6 +94,26 @@ def test_a_slow_streaming_client_gets_the_same_text(server):
     assert "".join(c["choices"][0]["text"] for c in text_chunks) == expected["choices"][0]["text"]
     assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"] == expected["usage"]
+
+
+def test_a_stream_interval_sends_fewer_chunks_of_the_same_text(model_dir, capsys):
+    """--stream-interval 5: the first token's chunk at once, then a chunk per 5 tokens, the text and usage those of
+    the response unstreamed."""
+    body = {"model": MODEL_NAME, "prompt": [5, 17, 33, 8, 90], "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    with running_server(tiny_engine(model_dir, block_size=4)) as plain:
+        expected = httpx.post(plain.url + "/v1/completions", json=body, timeout=60).json()
+    with running_server(AsyncLLMEngine(model_dir, EngineConfig(dtype="float32", block_size=4),
+                                       stream_interval=5)) as server:
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    text_chunks = [c for c in chunks if c["choices"]]
+    assert 2 <= len(text_chunks) <= 4  # 1 + 5 + 5 + 1 tokens (fewer where the handler merged waiting ones)
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == expected["choices"][0]["text"]
+    assert chunks[-1]["usage"] == expected["usage"]
+    assert main(["serve", "--stream-interval", "0"]) == 2
+    assert "--stream-interval must be a positive integer, got 0" in capsys.readouterr().err
 
 
 def test_logit_bias_moves_greedy_tokens(server):

@@ -31,6 +31,9 @@ def register(subparsers) -> None:
                         help="requests accepted but not yet running past which new ones get 429 (default 1024)")
     parser.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
                         help="largest request body; larger ones get 413 (default 16 MiB)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="a streamed response gets an event every N new tokens of a request (its first and last "
+                             "at once): fewer events, less server CPU a token (default 1: every token)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM/SIGINT, seconds the requests in flight may take to finish before they are "
                              "aborted (default 30)")
@@ -62,7 +65,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    for name in ("port", "max_waiting_requests", "max_request_bytes"):
+    for name in ("port", "max_waiting_requests", "max_request_bytes", "stream_interval"):
         if getattr(args, name) < (0 if name == "max_waiting_requests" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     config = engine_config(args, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -77,7 +80,7 @@ def run(args) -> int:
 
         engine = PDEngine(args.model, config, kv_budget=args.kv_budget, prefill_cpus=args.pd_prefill_cpus,
                           decode_cpus=args.pd_decode_cpus, kv_importance=args.kv_importance,
-                          kv_streaming=args.kv_streaming)
+                          kv_streaming=args.kv_streaming, stream_interval=args.stream_interval)
     else:
         for flag, value, default in (("--kv-budget", args.kv_budget, 1.0), ("--kv-importance", args.kv_importance,
                                      "attention"), ("--pd-prefill-cpus", args.pd_prefill_cpus, None),
@@ -85,5 +88,5 @@ def run(args) -> int:
                                      ("--no-kv-streaming", args.kv_streaming, True)):
             if value != default:
                 raise ValueError(f"{flag} sets up --pd's workers; without --pd there are none")
-        engine = AsyncLLMEngine(args.model, config)
+        engine = AsyncLLMEngine(args.model, config, stream_interval=args.stream_interval)
     return run_server(engine, settings, args.host, args.port, args.shutdown_timeout, args.log_level)

@@ -40,7 +40,7 @@ from hybridmoe.disagg.cpus import check_cpus
 from hybridmoe.disagg.handoff import check_budget, check_importance
 from hybridmoe.disagg.shm import owner_prefix, remove, sweep
 from hybridmoe.disagg.worker import DECODE, PREFILL
-from hybridmoe.runtime.async_engine import EngineNotReadyError, drain
+from hybridmoe.runtime.async_engine import EngineNotReadyError, StreamBuffer, drain
 from hybridmoe.runtime.engine import EngineConfig, RequestOutput
 from hybridmoe.runtime.sampling_params import SamplingParams
 from hybridmoe.runtime.scheduler import SchedulerStats
@@ -57,6 +57,7 @@ class WorkerDiedError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue  # RequestOutput items, or an exception that ends the request
+    buffer: StreamBuffer  # outputs held back until due (stream_interval)
     phase: str = PREFILL  # where the request is: the prefill worker, or (after its handoff) the decode worker
     segment: str | None = None  # its KV payload's segment while it is on its way to the decode worker
     last: RequestOutput | None = None  # the latest output delivered
@@ -82,7 +83,7 @@ class PDEngine:
     def __init__(self, model: str | Path, config: EngineConfig | None = None, kv_budget: float = 1.0,
                  on_request_finished: Callable[[RequestOutput], None] | None = None,
                  prefill_cpus: list[int] | str | None = None, decode_cpus: list[int] | str | None = None,
-                 kv_importance: str = "attention", kv_streaming: bool = True):
+                 kv_importance: str = "attention", kv_streaming: bool = True, stream_interval: int = 1):
         """model, config: as LLMEngine takes them (each worker builds its own engine with this config).
         kv_budget: the SpectrumKV budget of the handoff (1.0: every token at full precision, the same tokens as
         one engine; 0.5: INT8 for the less important half; lower: INT4 where the model's cached probe verdict
@@ -92,8 +93,10 @@ class PDEngine:
         prefill_cpus, decode_cpus: the CPUs each worker runs on (a list, or text like "0-3,8"; None: all of this
         process's), see disagg/cpus.py.
         kv_streaming: the prompt's KV goes to the decode worker layer by layer while the prefill computes it (where
-        the tiers are known before the prefill: budget 1, or position importance); False: packed after it."""
-        self.model = model
+        the tiers are known before the prefill: budget 1, or position importance); False: packed after it.
+        stream_interval: a request's outputs reach its caller every that many new tokens (StreamBuffer)."""
+        StreamBuffer(stream_interval)  # checks it
+        self.model, self.stream_interval = model, stream_interval
         self.config = config or EngineConfig()
         self.kv_budget = check_budget(kv_budget)
         self.kv_importance = check_importance(kv_importance)
@@ -217,7 +220,7 @@ class PDEngine:
         prefill worker refuses the prompt, EngineNotReadyError before loading or after shutdown. A worker dying
         under the request ends it with finish_reason "error"."""
         req_id = req_id if req_id is not None else f"pd-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), StreamBuffer(self.stream_interval))
         with self._lock:
             if not self.is_ready:
                 raise EngineNotReadyError("the engine has shut down" if self._closed else
@@ -346,7 +349,8 @@ class PDEngine:
             return
         if out.finished and self.on_request_finished is not None:
             self.on_request_finished(out)
-        self._post(stream, out)
+        for due in stream.buffer.push(out):
+            self._post(stream, due)
 
     def _stream_kv(self, message: m.KVStream) -> None:
         """A prompt's KV starts streaming: the decode worker reserves its blocks and unpacks the layers as they
@@ -423,7 +427,8 @@ class PDEngine:
                             arrival_time=last.arrival_time if last else 0.0)
         if self.on_request_finished is not None:
             self.on_request_finished(out)
-        self._post(stream, out)
+        for due in stream.buffer.push(out):  # with the outputs held back before it
+            self._post(stream, due)
 
     @staticmethod
     def _post(stream: _Stream, item) -> None:
