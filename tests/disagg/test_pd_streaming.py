@@ -7,6 +7,7 @@ tests/disagg/test_compressed_handoff.py's PD test, attention importance) and che
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -33,6 +34,10 @@ async def _tokens(engine: PDEngine, prompt, params) -> list[int]:
     return tokens
 
 
+async def _outputs(engine: PDEngine, prompt, params) -> list:
+    return [out async for out in engine.generate(prompt, params)]
+
+
 async def _run(engine: PDEngine, prompts, params) -> list[list[int]]:
     return await asyncio.gather(*(_tokens(engine, p, params) for p in prompts))
 
@@ -54,16 +59,21 @@ def _kv_segments(engine: PDEngine) -> list:
 def test_pd_streams_the_kv_and_gives_the_single_engine_tokens(tiny_model_dir, family):
     model_dir = tiny_model_dir(family)
     expected = [r.token_ids for r in LLM(model_dir, dtype="float32").generate(PROMPTS, GREEDY)]
-    engine = PDEngine(model_dir, EngineConfig(dtype="float32", kv_cache_gb=0.05, max_num_batched_tokens=64))
+    # an event per 3 tokens (stream_interval): the first at once, then 3 at a time, the same tokens
+    engine = PDEngine(model_dir, EngineConfig(dtype="float32", kv_cache_gb=0.05, max_num_batched_tokens=64),
+                      stream_interval=3)
     engine.start()
     try:
         engine.wait_ready_sync(HANG_S)
         assert asyncio.run(_run(engine, PROMPTS, GREEDY)) == expected
         assert engine.kv_streams == len(PROMPTS)
+        outs = asyncio.run(_outputs(engine, PROMPTS[0], GREEDY))
+        ends = list(itertools.accumulate(len(out.new_token_ids) for out in outs))
+        assert len(outs) <= 4 and ends[-1] == 8 and all(end % 3 == 1 for end in ends[:-1]), ends
         # ends with its first token in the prefill worker: the decode worker gives up the KV streamed to it
         one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         assert asyncio.run(_tokens(engine, PROMPTS[0], one)) == expected[0][:1]
-        assert engine.kv_streams == len(PROMPTS) + 1
+        assert engine.kv_streams == len(PROMPTS) + 2
         asyncio.run(_abort_during_prefill(engine))
         deadline = time.monotonic() + HANG_S
         while engine.num_unfinished_requests or engine.stats().kv_blocks_used or _kv_segments(engine):

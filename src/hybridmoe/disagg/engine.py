@@ -40,7 +40,7 @@ from hybridmoe.disagg.cpus import check_cpus
 from hybridmoe.disagg.handoff import check_budget, check_importance
 from hybridmoe.disagg.shm import owner_prefix, remove, sweep
 from hybridmoe.disagg.worker import DECODE, PREFILL
-from hybridmoe.runtime.async_engine import EngineNotReadyError, StreamBuffer, drain
+from hybridmoe.runtime.async_engine import EngineNotReadyError, StreamBuffer, drain, put_all
 from hybridmoe.runtime.engine import EngineConfig, RequestOutput
 from hybridmoe.runtime.sampling_params import SamplingParams
 from hybridmoe.runtime.scheduler import SchedulerStats
@@ -349,8 +349,7 @@ class PDEngine:
             return
         if out.finished and self.on_request_finished is not None:
             self.on_request_finished(out)
-        for due in stream.buffer.push(out):
-            self._post(stream, due)
+        self._post_outputs(stream, stream.buffer.push(out))
 
     def _stream_kv(self, message: m.KVStream) -> None:
         """A prompt's KV starts streaming: the decode worker reserves its blocks and unpacks the layers as they
@@ -427,8 +426,16 @@ class PDEngine:
                             arrival_time=last.arrival_time if last else 0.0)
         if self.on_request_finished is not None:
             self.on_request_finished(out)
-        for due in stream.buffer.push(out):  # with the outputs held back before it
-            self._post(stream, due)
+        self._post_outputs(stream, stream.buffer.push(out))  # with the outputs held back before it
+
+    @staticmethod
+    def _post_outputs(stream: _Stream, outputs: list[RequestOutput]) -> None:
+        """The outputs due into the stream's queue in one callback (put_all)."""
+        if outputs:
+            try:
+                stream.loop.call_soon_threadsafe(put_all, [(stream.queue, out) for out in outputs])
+            except RuntimeError:  # that event loop has closed
+                pass
 
     @staticmethod
     def _post(stream: _Stream, item) -> None:

@@ -265,7 +265,7 @@ class AsyncLLMEngine:
             if not items:
                 continue
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(put_all, items)
             except RuntimeError:  # that event loop has closed: nobody is listening
                 pass
 
@@ -317,6 +317,8 @@ def _coalesce(first: RequestOutput, q: asyncio.Queue) -> RequestOutput | BaseExc
                                else next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None))
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """Each item into its queue, in one event-loop callback: a caller woken by the first finds the others waiting
+    (and merges them), rather than running between them."""
     for q, out in items:
         q.put_nowait(out)
