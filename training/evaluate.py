@@ -1,6 +1,8 @@
-"""Evaluate the shipped demo model and its FP8 copy; writes results/eval.json and prints a summary.
+"""Evaluate a shipped model (the demo model and its FP8 copy, or the GQA companion); writes a JSON report and prints
+a summary.
 
-Measured, all in float32 compute with transformers' DeepseekV3ForCausalLM as the reference:
+Measured, all in float32 compute with transformers' model of the architecture (DeepseekV3ForCausalLM,
+Qwen3MoeForCausalLM) as the reference:
   - held-out perplexity per source (fortunes, Python docs, chats), 512-token windows;
   - passkey retrieval accuracy (greedy, full KV cache) at 512, 1K and 2K tokens, classic and fortune filler;
   - greedy samples for text and chat prompts;
@@ -8,6 +10,7 @@ Measured, all in float32 compute with transformers' DeepseekV3ForCausalLM as the
     (transformers' own CPU FP8 path mis-sizes partial blocks);
   - when hybridmoe's engine imports, that it loads both directories and produces the same greedy tokens.
 Run: .venv/bin/python training/evaluate.py [--trials 50]
+     .venv/bin/python training/evaluate.py --model src/hybridmoe/assets/gqa_model --out training/results/eval_gqa.json
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data_stream
 import passkey
@@ -37,12 +40,12 @@ CHAT_PROMPTS = [[{"role": "user", "content": "Tell me a fortune."}],
 HELDOUT_WINDOW = 512  # predicted tokens per held-out perplexity window
 
 
-def load_float32(model_dir: Path) -> DeepseekV3ForCausalLM:
-    model = DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+def load_float32(model_dir: Path) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     return model.eval()
 
 
-def load_fp8_dequantized(fp8_dir: Path) -> DeepseekV3ForCausalLM:
+def load_fp8_dequantized(fp8_dir: Path) -> torch.nn.Module:
     """The FP8 copy with every block dequantised exactly (float32), loaded as a plain float32 model."""
     from hybridmoe.checkpoint.fp8 import dequantize_fp8
 
@@ -165,11 +168,13 @@ def engine_agreement(model_dir: Path, sample_results: list[dict], max_new_tokens
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEMO_MODEL_DIR)
-    parser.add_argument("--fp8", type=Path, default=DEMO_MODEL_FP8_DIR)
+    parser.add_argument("--fp8", type=Path, default=None, help="its FP8 copy (default: the demo model's, for the demo model)")
     parser.add_argument("--trials", type=int, default=EVAL["passkey_trials"])
     parser.add_argument("--heldout-tokens", type=int, default=EVAL["heldout_max_tokens_per_source"])
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "eval.json")
     args = parser.parse_args()
+    if args.fp8 is None and args.model.resolve() == DEMO_MODEL_DIR.resolve():
+        args.fp8 = DEMO_MODEL_FP8_DIR
     torch.set_num_threads(1)
     started = time.time()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -195,7 +200,7 @@ def main() -> None:
     report["engine"] = engine_agreement(args.model, report["samples"], max_new)
     print("engine", {k: v for k, v in report["engine"].items() if k != "texts"}, flush=True)
 
-    if (args.fp8 / "config.json").exists():
+    if args.fp8 is not None:
         fp8 = load_fp8_dequantized(args.fp8)
         report["fp8"] = {"heldout": heldout_perplexity(transformers_logits(fp8), heldout, window, max_tokens),
                          "passkey_classic": passkey_accuracy(fp8, tokenizer, lengths[1:2], args.trials, seed)}

@@ -1,7 +1,7 @@
 """Write a trained model as the shipped Hugging Face directory (bf16 safetensors + tokenizer + recipe).
 
-`export_model` saves through transformers' save_pretrained (which writes per-expert keys), adds the
-DeepSeek-V3 routing fields that transformers 5 leaves out (scoring_func, topk_method), copies the
+`export_model` saves through transformers' save_pretrained (which writes per-expert keys), adds (to a
+DeepSeek-V3 model) the routing fields that transformers 5 leaves out (scoring_func, topk_method), copies the
 tokenizer with its chat template (as chat_template.jinja and inside tokenizer_config.json, for readers of
 either), and records the recipe. The router's e_score_correction_bias stays float32, as in DeepSeek-V3's
 own checkpoints (in bf16 a rounded bias can change which experts a token picks); everything else is bf16.
@@ -47,7 +47,8 @@ def export_model(model, out_dir: Path, recipe: dict, tokenizer_dir: Path = DATA_
     save_file(tensors, str(weights_path), metadata={"format": "pt"})
     config_path = out_dir / "config.json"
     config = json.loads(config_path.read_text())
-    config.update(ROUTING_FIELDS)
+    if config["model_type"] == "deepseek_v3":
+        config.update(ROUTING_FIELDS)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out_dir / name)

@@ -19,6 +19,7 @@ RESULTS_DIR = TRAINING_DIR / "results"  # committed evaluation results
 ASSETS_DIR = REPO_ROOT / "src" / "hybridmoe" / "assets"
 DEMO_MODEL_DIR = ASSETS_DIR / "demo_model"
 DEMO_MODEL_FP8_DIR = ASSETS_DIR / "demo_model_fp8"
+GQA_MODEL_DIR = ASSETS_DIR / "gqa_model"  # the Qwen3-MoE companion (MODEL_CARD.md, "The GQA companion")
 CHAT_TEMPLATE_FILE = TRAINING_DIR / "chat_template.jinja"
 
 # ---- text sources (Debian packages; see DATA_SOURCES.md) ----
@@ -63,6 +64,30 @@ MODEL_CONFIG = dict(
     rope_interleave=True,
     tie_word_embeddings=False,
     num_mtp_layers=0,  # no multi-token-prediction module is trained
+    initializer_range=0.02,
+    rms_norm_eps=1e-6,
+)
+
+# ---- the GQA companion: Qwen3MoeForCausalLM at the demo model's size, so that SpectrumKV is measured on both KV
+# layouts (MLA's latent and GQA's per-head K/V) on weights that carry meaning. Its embedding, output head, norms,
+# dense first layer and routed experts start from the demo model's (warm_start.py); its attention is fresh. ----
+GQA_MODEL_CONFIG = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=256,
+    intermediate_size=512,  # the dense first layer's MLP (mlp_only_layers), as the demo model's first layer
+    moe_intermediate_size=128,
+    num_hidden_layers=4,
+    mlp_only_layers=[0],
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA: two query heads share each K/V head, as Qwen3-30B-A3B's 32 share 4
+    head_dim=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.0,  # balanced by train.RouterLoadBalancer's loss instead
+    max_position_embeddings=4096,
+    rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},  # the demo model's final base
+    tie_word_embeddings=False,
     initializer_range=0.02,
     rms_norm_eps=1e-6,
 )
@@ -260,15 +285,47 @@ VARIANTS["passkey_long_answers_end"] = dict(
 SHIPPED_VARIANT = "passkey_long_answers_end"
 
 
+# The GQA companion (MODEL_CARD.md, "The GQA companion"): a fresh Qwen3-MoE attention on the demo model's other
+# weights, trained on the mixed stream from the demo model's findings: copy rows from step 0, widths up to 2.1K
+# from step 300 so that a needle's position cannot answer, the larger RoPE base from the start.
+VARIANTS["gqa_companion"] = dict(
+    family="qwen3_moe",
+    model={},
+    # run as `--stop-after 2500` of an 8,000-step schedule: the rate stays at its peak; the second run decays it
+    train={**VARIANTS["mixed_copy"]["train"], "warm_start": "demo_model", "stream_seed": SEED + 20, "steps": 8000,
+           "num_threads": 2, "lr": 1e-3, "warmup_steps": 50, "mixed_short_steps": 300, "mixed_short_width": 256,
+           "passkey_min_tokens": 256, "passkey_max_tokens": 2100,
+           "mixed_row_shares_short": {"copy": 0.3, "text": 0.4, "passkey": 0.3},
+           "mixed_row_shares_long": {"copy": 0.05, "text": 0.4, "passkey": 0.55}},
+)
+# Its second run (MODEL_CARD.md, "The GQA companion"): the demo model's last lessons at once. gqa_companion's weights
+# and AdamW moments where it stopped; rows 768-2,100 tokens wide, half text, half passkey examples scored on the answer
+# alone (digits, "." and EOS): the first run's retrieval got the digits but ran on past them, and its prose fell into
+# digits.
+VARIANTS["gqa_companion_answers"] = dict(
+    family="qwen3_moe",
+    model={},
+    train={**VARIANTS["gqa_companion"]["train"], "warm_start": None, "init_from": "gqa_companion",
+           "init_optimizer": True, "stream_seed": SEED + 21, "steps": 1600, "lr": 3e-4, "warmup_steps": 20,
+           "mixed_short_steps": 0, "mixed_short_width": 768, "passkey_prompt_loss": False,
+           "passkey_answer_end_loss": True, "mixed_row_shares_long": {"text": 0.5, "passkey": 0.5}},
+)
+
+
 def shipped_model_config() -> dict:
     """The config the shipped model was trained with: MODEL_CONFIG with its variant's model entries."""
     return {**MODEL_CONFIG, **VARIANTS[SHIPPED_VARIANT]["model"]}
 
 
 def apply_variant(name: str) -> None:
-    """Update MODEL_CONFIG and TRAIN in place (every module that imported them sees the variant)."""
-    MODEL_CONFIG.update(VARIANTS[name]["model"])
-    TRAIN.update(VARIANTS[name]["train"])
+    """Update MODEL_CONFIG and TRAIN in place (every module that imported them sees the variant). A variant of
+    another family (TRAIN["family"]) replaces MODEL_CONFIG with that family's base config."""
+    variant = VARIANTS[name]
+    if variant.get("family") == "qwen3_moe":
+        MODEL_CONFIG.clear()
+        MODEL_CONFIG.update(GQA_MODEL_CONFIG)
+    MODEL_CONFIG.update(variant["model"])
+    TRAIN.update(variant["train"], family=variant.get("family", "deepseek_v3"))
 
 
 # Share of text-step tokens drawn from each source (the rest of the steps are passkey examples).

@@ -23,21 +23,24 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import data_stream
 import recipe
 from export import export_model, write_fp8_copy
-from recipe import BOS_TOKEN, EOS_TOKEN, MODEL_CONFIG, PAD_TOKEN, RUNS_DIR, SEED, TRAIN
+from recipe import ASSETS_DIR, BOS_TOKEN, EOS_TOKEN, MODEL_CONFIG, PAD_TOKEN, RUNS_DIR, SEED, TRAIN
+from warm_start import warm_start_from_demo
+
+FAMILIES = {"deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
 
 
-def build_model(tokenizer) -> DeepseekV3ForCausalLM:
+def build_model(tokenizer) -> torch.nn.Module:
     torch.manual_seed(SEED)
-    config = DeepseekV3Config(**MODEL_CONFIG, bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
-                              eos_token_id=tokenizer.token_to_id(EOS_TOKEN),
-                              pad_token_id=tokenizer.token_to_id(PAD_TOKEN))
+    config_class, model_class = FAMILIES[TRAIN.get("family", "deepseek_v3")]
+    config = config_class(**MODEL_CONFIG, bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
+                          eos_token_id=tokenizer.token_to_id(EOS_TOKEN), pad_token_id=tokenizer.token_to_id(PAD_TOKEN))
     config._attn_implementation = "sdpa"
-    return DeepseekV3ForCausalLM(config)
+    return model_class(config)
 
 
 def build_optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
@@ -88,9 +91,11 @@ class RouterLoadBalancer:
     and that of an underloaded one up by `rate`. Plus DeepSeek-V3's complementary balance loss
     alpha * sum_i f_i * P_i (f_i: load relative to uniform, P_i: mean normalised score), here over the
     batch, which keeps this short run from collapsing onto one expert while the residual stream is young.
+    A Qwen3-MoE router has no correction bias and scores by softmax: the loss alone balances it (Qwen's own
+    load-balancing loss is this one over softmax scores).
     """
 
-    def __init__(self, model: DeepseekV3ForCausalLM, rate: float, alpha: float):
+    def __init__(self, model: torch.nn.Module, rate: float, alpha: float):
         self.rate, self.alpha = rate, alpha
         self.gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
         self.counts = [torch.zeros(g.num_experts) for g in self.gates]
@@ -104,7 +109,8 @@ class RouterLoadBalancer:
             load = torch.bincount(topk_indices.flatten(), minlength=module.num_experts).float()  # [E]
             self.counts[index] += load.cpu()
             if module.training and self.alpha > 0:
-                scores = router_logits.sigmoid()  # [T, E]
+                biased = hasattr(module, "e_score_correction_bias")
+                scores = router_logits.sigmoid() if biased else router_logits.softmax(-1)  # [T, E]
                 mean_share = (scores / scores.sum(-1, keepdim=True)).mean(0)  # [E]
                 relative_load = load * module.num_experts / topk_indices.numel()  # [E], 1 when uniform
                 self.aux_losses.append(self.alpha * (relative_load * mean_share).sum())
@@ -121,7 +127,8 @@ class RouterLoadBalancer:
         worst = 0.0
         for gate, counts in zip(self.gates, self.counts):
             mean = counts.mean()
-            gate.e_score_correction_bias += self.rate * torch.sign(mean - counts).to(gate.e_score_correction_bias.device)
+            if hasattr(gate, "e_score_correction_bias"):
+                gate.e_score_correction_bias += self.rate * torch.sign(mean - counts).to(gate.e_score_correction_bias.device)
             worst = max(worst, (counts.max() / mean.clamp(min=1)).item())
             counts.zero_()
         return worst
@@ -175,6 +182,9 @@ def main() -> None:
         with_moments = bool(TRAIN.get("init_optimizer"))
         initialise_from(source, model, optimizer if with_moments else None)
         print(f"initialised from {source}" + (" (weights and optimiser state)" if with_moments else ""), flush=True)
+    elif TRAIN.get("warm_start") and not (args.resume and checkpoint_path.exists()):
+        fresh = warm_start_from_demo(model, ASSETS_DIR / TRAIN["warm_start"])
+        print(f"warm start from {ASSETS_DIR / TRAIN['warm_start']}; fresh: {len(fresh)} attention tensors", flush=True)
     balancer = RouterLoadBalancer(model, TRAIN["router_bias_update_rate"], TRAIN["balance_loss_alpha"])
     n_params = sum(p.numel() for p in model.parameters())
     print(f"parameters {n_params:,}  device {device}  steps {args.steps}", flush=True)
@@ -240,6 +250,9 @@ def main() -> None:
     record.update(steps_trained=args.steps, tokens_seen=tokens_seen, parameters=n_params)
     print(f"trained steps {start_step}-{args.steps} in {time.time() - started:.0f} s", flush=True)
     export_model(model.cpu(), args.export, record)
+    if TRAIN.get("family", "deepseek_v3") != "deepseek_v3":  # the FP8 copy is the demo model's alone
+        print(f"exported to {args.export}", flush=True)
+        return
     fp8_dir = args.export.parent / (args.export.name + "_fp8")
     write_fp8_copy(args.export, fp8_dir)
     print(f"exported to {args.export} and {fp8_dir}", flush=True)
