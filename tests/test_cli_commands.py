@@ -61,6 +61,16 @@ def test_the_demo_model_is_the_default_model_and_named_demo(capsys, tmp_path, mo
     assert capsys.readouterr().out.startswith(f"Plan: {demo.name} on rtx4090+epyc-genoa-2s")
 
 
+def test_demo_gqa_names_the_companion_and_its_absence_is_a_clear_error(capsys, tmp_path, monkeypatch):
+    assert main(["generate", "--model", "demo-gqa", "--prompt", "Love is", "--max-tokens", "1"]) == 0
+    assert capsys.readouterr().out == " a\n"  # the companion's greedy start (MODEL_CARD.md, its samples), by a wide margin
+    assert main(["plan", "--model", "demo-gqa", "--vram", "24GB", "--hardware", "rtx4090,epyc-genoa-2s"]) == 0
+    assert capsys.readouterr().out.startswith("Plan: gqa_model on rtx4090+epyc-genoa-2s")
+    monkeypatch.setattr("hybridmoe.checkpoint.default_model.GQA_ASSET_DIR", tmp_path / "gqa_model")
+    assert main(["generate", "--model", "demo-gqa", "--prompt", "x"]) == 2
+    assert f"demo-gqa: this installation has no {tmp_path / 'gqa_model'}" in capsys.readouterr().err
+
+
 def test_engine_options_and_empty_prompts_are_error_lines(tiny_model_dir, capsys):
     model = str(tiny_model_dir("deepseek_v3"))
     for flags, message in ((["--kv-cache-gb", "100000"], "error: kv_cache_gb=100000 is more than this machine can "

@@ -299,9 +299,9 @@ VARIANTS["gqa_companion"] = dict(
            "mixed_row_shares_long": {"copy": 0.05, "text": 0.4, "passkey": 0.55}},
 )
 # Its second run (MODEL_CARD.md, "The GQA companion"): the demo model's last lessons at once. gqa_companion's weights
-# and AdamW moments where it stopped; rows 768-2,100 tokens wide, half text, half passkey examples scored on the answer
-# alone (digits, "." and EOS): the first run's retrieval got the digits but ran on past them, and its prose fell into
-# digits.
+# and AdamW moments where it stopped, the rate decayed; rows 768-2,100 tokens wide, half text, half passkey examples
+# scored on the answer alone (digits, "." and EOS), because the demo model's runs 6 and 9 found that a passkey prompt
+# carrying loss teaches the prose its wording and that an unscored end lets the answer run on past its digits.
 VARIANTS["gqa_companion_answers"] = dict(
     family="qwen3_moe",
     model={},

@@ -1,4 +1,5 @@
-"""Paths of the shipped demo model (as installed with the package) and of the training recipe it came from."""
+"""Paths of the shipped demo model and its GQA companion (as installed with the package) and of the training recipe
+they came from."""
 
 from __future__ import annotations
 
@@ -30,8 +31,20 @@ def fp8_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gqa_dir() -> Path:
+    path = ASSETS / "gqa_model"
+    assert (path / "config.json").is_file(), f"the GQA companion model is missing from {path}"
+    return path
+
+
+@pytest.fixture(scope="session")
 def eval_report() -> dict:
     return json.loads((TRAINING_DIR / "results" / "eval.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def gqa_eval_report() -> dict:
+    return json.loads((TRAINING_DIR / "results" / "eval_gqa.json").read_text())
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +66,11 @@ def demo_model_fp32(demo_dir):
     from transformers import DeepseekV3ForCausalLM
 
     return DeepseekV3ForCausalLM.from_pretrained(demo_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def gqa_model_fp32(gqa_dir):
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM.from_pretrained(gqa_dir, dtype=torch.float32).eval()

@@ -1,7 +1,8 @@
 """Where `hybridmoe demo` (and the other commands, when no --model is given) find their model.
 
 The trained demo model shipped in hybridmoe/assets/demo_model is the default; the name `demo` (`--model demo`,
-`LLM("demo")`) means it too. Without it, a small
+`LLM("demo")`) means it too. `demo-gqa` names its companion in hybridmoe/assets/gqa_model, a Qwen3-MoE model (GQA
+attention) trained the same way (MODEL_CARD.md). Without the demo model, a small
 DeepSeek-V3-architecture model with deterministic random weights is generated once into the user cache
 (HYBRIDMOE_CACHE, else $XDG_CACHE_HOME/hybridmoe, else ~/.cache/hybridmoe).
 """
@@ -14,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
+GQA_ASSET_DIR = ASSET_DIR.parent / "gqa_model"
 RANDOM_MODEL_NAME = "random-deepseek-v3-v1"
 RANDOM_MODEL_CONFIG = dict(
     vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
@@ -24,13 +26,18 @@ RANDOM_MODEL_CONFIG = dict(
 
 
 DEMO_MODEL_NAME = "demo"
+GQA_MODEL_NAME = "demo-gqa"
 
 
 def resolve_model_dir(model: str | Path | None) -> Path:
-    """A model argument -> its directory: None or `demo` is the embedded demo model (default_model_dir), anything
-    else a local model directory (./demo names a directory called demo)."""
+    """A model argument -> its directory: None or `demo` is the embedded demo model (default_model_dir), `demo-gqa`
+    its GQA companion, anything else a local model directory (./demo names a directory called demo)."""
     if model is None or (isinstance(model, str) and model == DEMO_MODEL_NAME):
         return default_model_dir()
+    if isinstance(model, str) and model == GQA_MODEL_NAME:
+        if not (GQA_ASSET_DIR / "config.json").is_file():
+            raise FileNotFoundError(f"{GQA_MODEL_NAME}: this installation has no {GQA_ASSET_DIR}")
+        return GQA_ASSET_DIR
     return Path(model)
 
 

@@ -12,7 +12,8 @@ from hybridmoe.runtime.engine import EngineConfig, LLMEngine
 from hybridmoe.runtime.sampling_params import SamplingParams
 
 
-MODEL_HELP = "a local Hugging Face model directory, or demo (the default): the embedded demo model"
+MODEL_HELP = ("a local Hugging Face model directory, or demo (the default): the embedded demo model; demo-gqa: its "
+              "companion with GQA attention")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, kv_cache_gb: float = 1.0) -> None:

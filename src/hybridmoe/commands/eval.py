@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-MODEL_HELP = "model directory, or 'demo' (the embedded demo model; default)"
+MODEL_HELP = "model directory, or 'demo' (the embedded demo model, MLA; default) or 'demo-gqa' (its GQA companion)"
 
 
 def register(subparsers) -> None:

@@ -37,10 +37,10 @@ def parse_ints(text: str, what: str) -> tuple[int, ...]:
 
 
 def model_argument(model: str) -> str:
-    """--model as the planner reads it: `demo` is the embedded demo model's directory."""
-    from hybridmoe.checkpoint.default_model import DEMO_MODEL_NAME, default_model_dir
+    """--model as the planner reads it: `demo` and `demo-gqa` are the embedded models' directories."""
+    from hybridmoe.checkpoint.default_model import resolve_model_dir
 
-    return str(default_model_dir()) if model == DEMO_MODEL_NAME else model
+    return str(resolve_model_dir(model))
 
 
 def resolve_hardware(profile: str | None, hardware: str | None) -> str:
