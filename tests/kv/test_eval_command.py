@@ -35,11 +35,14 @@ def test_eval_kv_writes_rows_and_plot(tiny_model_dir, tmp_path):
     assert main(["eval", "kv", "--model", str(model), "--budgets", "0.3", "--int4", "yes", "--json", str(out),
                  "--plot", str(png), "--prefix-tokens", "64", "--continuation-tokens", "16", "--windows", "1",
                  "--passkey-tokens", "96", "--depths", "1", "--bench-tokens", "64", "--text", str(text)]) == 0
-    report = json.loads(out.read_text())
-    rows = report["rows"]
-    assert report["kind"] == "gqa" and png.stat().st_size > 0
+    report = json.loads(out.read_text())  # a list of rows, the quality rows first, then the pack/unpack timings
+    rows = [r for r in report if r["method"] != "pack-unpack"]
+    timings = report[len(rows):]
+    assert all(r["kind"] == "gqa" and r["model"] == str(model) and r["ladder"] == ["fp16", "int8", "int4"]
+               for r in report) and png.stat().st_size > 0
     keys = {"method", "budget", "ppl", "ppl_delta_pct", "passkey_acc", "payload_bytes"}
     assert all(keys <= set(r) for r in rows)
+    assert [t["budget"] for t in timings] == [0.3, 0.5] and all(t["pack_gbps"] > 0 < t["unpack_gbps"] for t in timings)
     names = {(r["method"], r["budget"]) for r in rows}
     assert {("full", 1.0), ("spectrumkv-attention", 0.3), ("spectrumkv-position", 0.3), ("pdtrim", 0.3),
             ("uniform-int8", 0.5), ("uniform-int4", 0.25)} <= names

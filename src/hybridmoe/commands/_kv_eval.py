@@ -341,6 +341,14 @@ def plot(rows: list[dict], path: str | Path, title: str) -> None:
     plt.close(fig)
 
 
+def json_rows(model: str, kind: str, ladder: list[str], rows: list[dict], rates: list[dict]) -> list[dict]:
+    """`eval kv --json`: a list of {method, budget, ppl, ppl_delta_pct, passkey_acc, payload_bytes, ...}, each row
+    naming the model, its KV layout and the tier ladder, then the pack/unpack timings as rows of method
+    "pack-unpack" (tokens, budget, payload and full bytes, GB/s; no quality fields)."""
+    context = {"model": model, "kind": kind, "ladder": ladder}
+    return [{**row, **context} for row in rows] + [{"method": "pack-unpack", **rate, **context} for rate in rates]
+
+
 def bench_pack(harness: KVHarness, tokens: int, budget: float, ladder: tuple[Tier, ...], repeats: int = 5) -> dict:
     """Pack and unpack rates of one prompt's payload (random KV rows in the model's layout): best of `repeats`,
     GB/s of 16-bit KV handled."""

@@ -112,9 +112,8 @@ def run_kv(args) -> int:
               f"pack {r['pack_gbps']} GB/s, unpack {r['unpack_gbps']} GB/s (16-bit KV bytes per second)")
     print(f"({time.perf_counter() - start:.0f} s)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": str(harness.model_dir), "kind": harness.layout.kind,
-                                               "ladder": [TIER_NAMES[t] for t in ladder], "rows": rows,
-                                               "pack_unpack": rates}, indent=1) + "\n")
+        report = _kv_eval.json_rows(args.model, harness.layout.kind, [TIER_NAMES[t] for t in ladder], rows, rates)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     if args.plot:
         _kv_eval.plot(rows, args.plot, f"SpectrumKV on {harness.model_dir.name} ({harness.layout.kind})")
     return 0
