@@ -295,25 +295,26 @@ HM_TILE_INLINE void int4_oct_tile(const uint8_t* const* rowp, const uint16_t* co
 
 #ifdef __AVX512VNNI__
 // ---- int4 / int8, 512-bit vectors (AVX-512 VNNI): lane-scaled steps ------------------------------------------
-// A 64-byte step of a row holds 128 int4 elements, four 32-element chunks (128-bit lane l: chunk 4s + l, byte b of
-// it elements b and b + 16), or 64 int8 elements, two chunks (256-bit half h: chunk 2s + h). vpdpbusd against the
-// tokens' activations in the same order (int4: two of them, the low nibbles against elements 0-15 of the four
-// chunks, the high nibbles against 16-31; int8: one, the weights offset by 128) leaves int32 partial sums of each
-// chunk in its own lanes (int4 four, int8 eight). With groups of 32 each chunk is a group: int4 four groups a
-// step, int8 two; with groups of 128 an int4 step is one group. Either way the scales apply lane
-// by lane, with no horizontal adds: t = sums * xs + c (xs: the token's group scales, c: its unsigned-offset
-// correction -offset qsum / lanes, each in its group's lanes), acc += t * ws (ws: the row's group scales in their
-// lanes, one permute or broadcast per row and step). Per step, row and token: int4 2 vpdpbusd, int8 1, then a
-// convert and two FMAs (the 256-bit steps: int4 g32 8 vpdpbusd, 3 horizontal adds, a convert, a multiply and two
-// FMAs per 256 weights; int8 g32 per group a vpdpbusd, a convert, a broadcast and an FMA; groups of 128 a
-// vpdpbusd per 32 weights, then per group a convert, a broadcast and an FMA).
+// A step of a row holds 128 elements, four 32-element chunks: int4 in 64 bytes (128-bit lane l: chunk 4s + l, byte
+// b of it elements b and b + 16), int8 in 128 bytes as stored (chunk after chunk), put in the same order by two
+// 128-bit lane shuffles (elements 0-15 of the four chunks, then 16-31) and offset by 128. Two vpdpbusd against the
+// tokens' activations in that order (elements 0-15 of the four chunks, then 16-31) leave int32 partial sums of each
+// chunk in its own four lanes. With groups of 32 each chunk is a group, four a step; with groups of 128 (int4) a
+// step is one group. Either way the scales apply lane by lane, with no horizontal adds: t = sums * xs + c (xs: the
+// token's group scales, c: its unsigned-offset correction -offset qsum / lanes, each in its group's lanes),
+// acc += t * ws (ws: the row's group scales in their lanes, one permute or broadcast per row and step). Per step,
+// row and token: 2 vpdpbusd, a convert and two FMAs (int8 had a convert and two FMAs after each vpdpbusd of a
+// 64-element step: a quarter fewer instructions a weight now; the 256-bit steps: int4 g32 8 vpdpbusd, 3 horizontal
+// adds, a convert, a multiply and two FMAs per 256 weights; int8 g32 per group a vpdpbusd, a convert, a broadcast
+// and an FMA; groups of 128 a vpdpbusd per 32 weights, then per group a convert, a broadcast and an FMA).
 template <WFormat F, int G>
 struct LaneSteps {
-  static constexpr I64 kElems = F == WFormat::INT4 ? 128 : 64;    // elements per step
+  static constexpr I64 kElems = 128;                                // elements per step
   static_assert(G == 32 || G == kElems, "a step holds whole groups");
   static constexpr I64 kGroups = kElems / G;                        // groups per step
   static constexpr I64 kLanes = 16 / kGroups;                       // int32 lanes per group
-  static constexpr I64 kActBytes = F == WFormat::INT4 ? 128 : 64;  // activation bytes per step and token
+  static constexpr I64 kWeightBytes = F == WFormat::INT4 ? 64 : 128;  // a row's bytes per step
+  static constexpr I64 kActBytes = 128;                             // activation bytes per step and token
   static constexpr float kOffset = F == WFormat::INT4 ? 8.0f : 128.0f;
   static constexpr I64 kFloats = 32;  // table floats per step and token: 16 lanes' xs, then their c
   // the first group of step st, and its weight scales' offset in a row's scales
@@ -327,9 +328,8 @@ struct LaneSteps {
 };
 
 // The tokens' activations as the steps read them, prepared once per call: tables[m * ldt + s * 32 ..] (xs and c of
-// step s; groups past the row's are 0) and q[m * ldq + s * kActBytes ..] the int8 activations of step s (int4: per
-// chunk elements 0-15, for the four chunks, then their elements 16-31; int8 as they are), zero-padded to whole
-// steps. Built in vectors: the matmul is called per block of 128 rows, and a scalar loop here was visible in the
+// step s; groups past the row's are 0) and q[m * ldq + s * kActBytes ..] the int8 activations of step s (per chunk
+// elements 0-15, for the four chunks, then their elements 16-31), zero-padded to whole steps. Built in vectors: the matmul is called per block of 128 rows, and a scalar loop here was visible in the
 // MoE's time at T = 32-256.
 struct LaneActivations {
   const float* tables;
@@ -363,21 +363,17 @@ inline LaneActivations lane_activations(const Activations& x, I64 groups) {
       const I64 c0 = st * chunks_per_step, c = imin(chunks_per_step, chunks - c0);
       const __mmask64 lo_bytes = c >= 2 ? ~__mmask64{0} : (__mmask64{1} << (32 * c)) - 1;
       const __m512i a = _mm512_maskz_loadu_epi8(lo_bytes, src + 32 * c0);
-      if constexpr (F == WFormat::INT4) {  // chunks 0-1 in a, 2-3 in b: elements 0-15 of each, then 16-31
-        const __mmask64 hi_bytes = c == 4 ? ~__mmask64{0} : c <= 2 ? 0 : (__mmask64{1} << (32 * (c - 2))) - 1;
-        const __m512i b = _mm512_maskz_loadu_epi8(hi_bytes, src + 32 * c0 + 64);
-        _mm512_storeu_si512(dst + st * 128, _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0)));
-        _mm512_storeu_si512(dst + st * 128 + 64, _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
-      } else {
-        _mm512_storeu_si512(dst + st * 64, a);
-      }
+      // chunks 0-1 in a, 2-3 in b: elements 0-15 of each, then 16-31
+      const __mmask64 hi_bytes = c == 4 ? ~__mmask64{0} : c <= 2 ? 0 : (__mmask64{1} << (32 * (c - 2))) - 1;
+      const __m512i b = _mm512_maskz_loadu_epi8(hi_bytes, src + 32 * c0 + 64);
+      _mm512_storeu_si512(dst + st * 128, _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0)));
+      _mm512_storeu_si512(dst + st * 128 + 64, _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
     }
   }
   return {tables, q, ldt, ldq};
 }
 
-// A row's group scales of one step at p (groups of 32: int4 four, int8 two; of 128: one) -> 16 floats, each in its
-// group's lanes.
+// A row's group scales of one step at p (groups of 32: four; of 128: one) -> 16 floats, each in its group's lanes.
 template <WFormat F, int G, ScaleType ST>
 HM_TILE_INLINE __m512 lane_weight_scales(const uint16_t* p) {
   using S = LaneSteps<F, G>;
@@ -387,45 +383,50 @@ HM_TILE_INLINE __m512 lane_weight_scales(const uint16_t* p) {
     else
       return _mm512_set1_ps(_cvtsh_ss(*p));
   }
-  int two = 0;  // int8: the step's two scales (4 bytes; 8 could read past the last row's)
-  if constexpr (F == WFormat::INT8) std::memcpy(&two, p, 4);
-  const __m128i v = F == WFormat::INT4 ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)) : _mm_cvtsi32_si128(two);
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));  // the step's four scales
   if constexpr (ST == ScaleType::BF16) {  // bf16 bits to the high half of each lane: the float itself
-    const __m512i idx = F == WFormat::INT4 ? _mm512_set_epi16(3, 0, 3, 0, 3, 0, 3, 0, 2, 0, 2, 0, 2, 0, 2, 0,
-                                                              1, 0, 1, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-                                           : _mm512_set_epi16(1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0,
-                                                              0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i idx = _mm512_set_epi16(3, 0, 3, 0, 3, 0, 3, 0, 2, 0, 2, 0, 2, 0, 2, 0,
+                                         1, 0, 1, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, _mm512_castsi128_si512(v)));
   } else {
     return _mm512_permutexvar_ps(S::lane_groups(), _mm512_castps128_ps512(_mm_cvtph_ps(v)));
   }
 }
 
-// acc[i][j] += one step of R rows (64 bytes at w[i] + wo, their scales at s[i] + so) times MT tokens (kActBytes int8
-// activations at xq[j] + qo, 32 table floats at t[j] + to). Offsets from the tile's own pointers rather than
+// One step of a row's weights at p as two vectors of unsigned bytes in the activations' order: elements 0-15 of the
+// four chunks (lo), then 16-31 (hi). int4: the low and high nibbles; int8: the two 64-byte halves' 128-bit lanes
+// interleaved (chunks 0-1, then 2-3) and offset by 128.
+template <WFormat F>
+HM_TILE_INLINE void lane_step_weights(const uint8_t* p, __m512i& lo, __m512i& hi) {
+  if constexpr (F == WFormat::INT4) {
+    const __m512i v = _mm512_loadu_si512(p);
+    lo = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+  } else {
+    const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64), offset = _mm512_set1_epi8(-128);
+    lo = _mm512_xor_si512(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0)), offset);
+    hi = _mm512_xor_si512(_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1)), offset);
+  }
+}
+
+// acc[i][j] += one step of R rows (kWeightBytes at w[i] + wo, their scales at s[i] + so) times MT tokens (kActBytes
+// int8 activations at xq[j] + qo, 32 table floats at t[j] + to). Offsets from the tile's own pointers rather than
 // per-step pointer tables: GCC 12 built those in vectors, extracted each pointer and spilled them every step.
 template <WFormat F, int G, ScaleType ST, int R, int MT>
 HM_TILE_INLINE void int_lane_step(const uint8_t* const* w, I64 wo, const uint16_t* const* s, I64 so,
                                   const int8_t* const* xq, I64 qo, const float* const* t, I64 to,
                                   __m512 (&acc)[R][MT]) {
-  __m512i lo[R], hi[R];  // int4: the low and high nibbles; int8: lo the weights + 128
+  __m512i lo[R], hi[R];  // elements 0-15 and 16-31 of the step's four chunks, unsigned
   __m512 ws[R];
   HM_UNROLL for (int i = 0; i < R; ++i) {
-    const __m512i v = _mm512_loadu_si512(w[i] + wo);
-    if constexpr (F == WFormat::INT4) {
-      lo[i] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-      hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
-    } else {
-      lo[i] = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
-    }
+    lane_step_weights<F>(w[i] + wo, lo[i], hi[i]);
     ws[i] = lane_weight_scales<F, G, ST>(s[i] + so);
   }
   HM_UNROLL for (int j = 0; j < MT; ++j) {
-    const __m512i xlo = _mm512_loadu_si512(xq[j] + qo);
+    const __m512i xlo = _mm512_loadu_si512(xq[j] + qo), xhi = _mm512_loadu_si512(xq[j] + qo + 64);
     const __m512 xs = _mm512_loadu_ps(t[j] + to), c = _mm512_loadu_ps(t[j] + to + 16);
     HM_UNROLL for (int i = 0; i < R; ++i) {
-      __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], xlo);
-      if constexpr (F == WFormat::INT4) d = _mm512_dpbusd_epi32(d, hi[i], _mm512_loadu_si512(xq[j] + qo + 64));
+      const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], xlo), hi[i], xhi);
       acc[i][j] = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xs, c), ws[i], acc[i][j]);
     }
   }
@@ -449,18 +450,18 @@ HM_TILE_INLINE void int_lane_tile(const uint8_t* const* rowp, const uint16_t* co
     t[j] = acts.tables + (m + j) * acts.ldt;
   }
   for (I64 st = s0; st < full; ++st) {
-    if (next) prefetch_next<P, R, 64>(next, 0, st * 64);
-    int_lane_step<F, G, ST, R, MT>(rowp, 64 * st, srow, S::first_group(st), xp, st * S::kActBytes, t,
+    if (next) prefetch_next<P, R, S::kWeightBytes>(next, 0, st * S::kWeightBytes);
+    int_lane_step<F, G, ST, R, MT>(rowp, S::kWeightBytes * st, srow, S::first_group(st), xp, st * S::kActBytes, t,
                                    st * S::kFloats, acc);
   }
   if (full < s1) {
     const I64 left = groups - S::first_group(full);
-    alignas(64) uint8_t wpad[R][64] = {};
+    alignas(64) uint8_t wpad[R][S::kWeightBytes] = {};
     alignas(16) uint16_t spad[R][8] = {};
     const uint8_t* w[R];
     const uint16_t* s[R];
     for (int i = 0; i < R; ++i) {
-      std::memcpy(wpad[i], rowp[i] + 64 * full, static_cast<size_t>(64 / S::kGroups * left));
+      std::memcpy(wpad[i], rowp[i] + S::kWeightBytes * full, static_cast<size_t>(S::kWeightBytes / S::kGroups * left));
       std::memcpy(spad[i], srow[i] + S::first_group(full), static_cast<size_t>(2 * left));
       w[i] = wpad[i], s[i] = spad[i];
     }
@@ -489,31 +490,24 @@ HM_TILE_INLINE void one_token_int_lanes(const uint8_t* row, I64 row_bytes, const
   __m512 acc[R];
   HM_UNROLL for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (I64 st = 0; st < steps; ++st) {
-    if (next) prefetch_next<P, R, 64>(next, 0, st * 64);
-    const __m512i xlo = _mm512_loadu_si512(xq + st * S::kActBytes);
-    const __m512i xhi = F == WFormat::INT4 ? _mm512_loadu_si512(xq + st * S::kActBytes + 64) : xlo;
+    if (next) prefetch_next<P, R, S::kWeightBytes>(next, 0, st * S::kWeightBytes);
+    const __m512i xlo = _mm512_loadu_si512(xq + st * S::kActBytes), xhi = _mm512_loadu_si512(xq + st * S::kActBytes + 64);
     const __m512 xs = _mm512_loadu_ps(t + st * S::kFloats), c = _mm512_loadu_ps(t + st * S::kFloats + 16);
     HM_UNROLL for (int i = 0; i < R; ++i) {
-      const __m512i v = _mm512_loadu_si512(row + i * row_bytes + 64 * st);
+      __m512i lo, hi;
+      lane_step_weights<F>(row + i * row_bytes + S::kWeightBytes * st, lo, hi);
       const __m512 ws = lane_weight_scales<F, G, ST>(srow + i * scale_stride + S::first_group(st));
-      __m512i d;
-      if constexpr (F == WFormat::INT4) {
-        d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(v, _mm512_set1_epi8(0x0F)), xlo);
-        d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)), xhi);
-      } else {
-        d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))),
-                                xlo);
-      }
+      const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
       acc[i] = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xs, c), ws, acc[i]);
     }
   }
   _mm_storeu_ps(y, V::hsum4(acc[0], acc[1], acc[2], acc[3]));
 }
 
-// The most tokens of a lane-step register tile of 4 rows: int4 keeps two weight vectors a row live (its nibbles),
-// and 4 x 4 tiles (16 accumulators, 12 row vectors) run out of registers; int8 (one vector a row) fits 4 x 4.
+// The most tokens of a lane-step register tile of 4 rows: a row keeps two weight vectors live, and 4 x 4 tiles (16
+// accumulators, 12 row vectors) run out of registers.
 template <WFormat F>
-constexpr int kLaneTileTokens = F == WFormat::INT4 ? 3 : 4;
+constexpr int kLaneTileTokens = 3;
 
 // Tokens from which int4 / int8 with groups of G take the lane steps on AVX-512, where they measured faster than
 // the 256-bit kernels: int4 with groups of 32 from one token (with the prefetch that reaches ahead), int8 with
