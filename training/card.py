@@ -24,12 +24,17 @@ def _percent(value: float) -> str:
     return f"{100 * value:.0f}%"
 
 
+def _header(columns: list[str], first_right: bool = False) -> list[str]:
+    """A markdown table's header and alignment rows: numbers right-aligned (the first column too if first_right)."""
+    align = [" ---: " if first_right or i else " --- " for i in range(len(columns))]
+    return ["| " + " | ".join(columns) + " |", "|" + "|".join(align) + "|"]
+
+
 def render_results(report: dict) -> str:
     """One model's block; the FP8 columns only for a report that measured an FP8 copy."""
     fp8 = report.get("fp8", {})
     lines = ["### Held-out perplexity (512-token windows, float32 compute)", ""]
-    lines += (["| source | tokens | BF16 model | FP8 copy |", "| --- | ---: | ---: | ---: |"] if fp8 else
-              ["| source | tokens | BF16 model |", "| --- | ---: | ---: |"])
+    lines += _header(["source", "tokens", "BF16 model"] + (["FP8 copy"] if fp8 else []))
     for source, result in report["heldout"].items():
         fp8_ppl = fp8.get("heldout", {}).get(source, {}).get("perplexity")
         fp8_cell = f" {'n/a' if fp8_ppl is None else f'{fp8_ppl:.2f}'} |" if fp8 else ""
@@ -38,10 +43,8 @@ def render_results(report: dict) -> str:
     lines += ["", f"Routed-expert load on this held-out text, busiest expert over the mean, per MoE layer: "
               f"{', '.join(f'{x:.2f}' for x in load)} (1.00 = perfectly even)."]
     lines += ["", "### Passkey retrieval (greedy, full KV cache; accuracy over trials)", ""]
-    lines += (["| prompt tokens (target) | mean prompt tokens | classic filler | fortune filler | FP8 copy, classic |",
-               "| ---: | ---: | ---: | ---: | ---: |"] if fp8 else
-              ["| prompt tokens (target) | mean prompt tokens | classic filler | fortune filler |",
-               "| ---: | ---: | ---: | ---: |"])
+    lines += _header(["prompt tokens (target)", "mean prompt tokens", "classic filler", "fortune filler"]
+                     + (["FP8 copy, classic"] if fp8 else []), first_right=True)
     for length, result in report["passkey_classic"].items():
         fortune = report["passkey_fortune_filler"][length]["accuracy"]
         fp8_acc = fp8.get("passkey_classic", {}).get(length, {}).get("accuracy")

@@ -19,7 +19,6 @@ RESULTS_DIR = TRAINING_DIR / "results"  # committed evaluation results
 ASSETS_DIR = REPO_ROOT / "src" / "hybridmoe" / "assets"
 DEMO_MODEL_DIR = ASSETS_DIR / "demo_model"
 DEMO_MODEL_FP8_DIR = ASSETS_DIR / "demo_model_fp8"
-GQA_MODEL_DIR = ASSETS_DIR / "gqa_model"  # the Qwen3-MoE companion (MODEL_CARD.md, "The GQA companion")
 CHAT_TEMPLATE_FILE = TRAINING_DIR / "chat_template.jinja"
 
 # ---- text sources (Debian packages; see DATA_SOURCES.md) ----
@@ -94,6 +93,7 @@ GQA_MODEL_CONFIG = dict(
 
 # ---- training ----
 TRAIN = dict(
+    family="deepseek_v3",  # the architecture (train.FAMILIES); a variant of another family brings its base config
     stream="phased",  # data_stream.TrainingBatches (text steps, passkey steps, phase 2); "mixed": MixedBatches
     steps=1200,  # about an hour of one shared CPU core (the machine was loaded 3-5x by other work)
     text_rows=4,  # rows per text step
@@ -325,7 +325,7 @@ def apply_variant(name: str) -> None:
         MODEL_CONFIG.clear()
         MODEL_CONFIG.update(GQA_MODEL_CONFIG)
     MODEL_CONFIG.update(variant["model"])
-    TRAIN.update(variant["train"], family=variant.get("family", "deepseek_v3"))
+    TRAIN.update(variant["train"], family=variant.get("family", TRAIN["family"]))
 
 
 # Share of text-step tokens drawn from each source (the rest of the steps are passkey examples).

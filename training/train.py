@@ -36,7 +36,7 @@ FAMILIES = {"deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM), "qwen3_moe
 
 def build_model(tokenizer) -> torch.nn.Module:
     torch.manual_seed(SEED)
-    config_class, model_class = FAMILIES[TRAIN.get("family", "deepseek_v3")]
+    config_class, model_class = FAMILIES[TRAIN["family"]]
     config = config_class(**MODEL_CONFIG, bos_token_id=tokenizer.token_to_id(BOS_TOKEN),
                           eos_token_id=tokenizer.token_to_id(EOS_TOKEN), pad_token_id=tokenizer.token_to_id(PAD_TOKEN))
     config._attn_implementation = "sdpa"
@@ -250,7 +250,7 @@ def main() -> None:
     record.update(steps_trained=args.steps, tokens_seen=tokens_seen, parameters=n_params)
     print(f"trained steps {start_step}-{args.steps} in {time.time() - started:.0f} s", flush=True)
     export_model(model.cpu(), args.export, record)
-    if TRAIN.get("family", "deepseek_v3") != "deepseek_v3":  # the FP8 copy is the demo model's alone
+    if TRAIN["family"] != "deepseek_v3":  # the FP8 copy is the demo model's alone
         print(f"exported to {args.export}", flush=True)
         return
     fp8_dir = args.export.parent / (args.export.name + "_fp8")
