@@ -743,7 +743,8 @@ NB_MODULE(_native, mod) {
                      return gemm_min_tokens(p.m.fmt, active_kernels()->bf16_dot, active_kernels()->amx);
                    },
                    "Tokens from which path='auto' takes the GEMM path (fewer: the GEMV path), for the active ISA "
-                   "(amx: its AMX tiles for bf16 and fp8 weights).")
+                   "(amx: its AMX tiles for bf16 and fp8 weights); int4 and int8: 2**63 - 1 (any number of tokens "
+                   "on the GEMV path, 128 at a time).")
       .def("rounds_activations_to_bf16",
            [](const PyMatrix& p, int64_t tokens, const std::string& path) {
              return rounds_activations_to_bf16(*active_kernels(), p.m.fmt, p.m.row_bytes, tokens, parse_path(path));

@@ -36,6 +36,25 @@ def test_int_kernels_match_their_exact_arithmetic(each_isa, fmt, group, scale_dt
 
 
 @pytest.mark.parametrize("fmt,group", [(fmt, group) for fmt in formats.INT_FORMATS for group in formats.INT_GROUPS])
+@pytest.mark.parametrize("path", ["auto", "gemv", "gemm"])
+def test_int_kernels_take_many_tokens_in_blocks(each_isa, fmt, group, path):
+    """A prompt's tokens run in blocks of 128 (kIntTokenBlock): a whole block, one token past it (a last block of
+    one), several blocks with a partial last one, each token's dot products as the exact arithmetic gives them;
+    float32 and bf16 inputs (bf16 is converted per token)."""
+    gen = torch.Generator().manual_seed(seed(fmt, group, path, each_isa, "blocks"))
+    for rows, cols in [(37, 100), (20, 1100), (131, 300)]:
+        data, scales = random_int(fmt, rows, cols, group, torch.bfloat16, gen)
+        m = kernel_matrix(fmt, data, scales, cols=cols)
+        for tokens in (128, 129, 300):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(tokens, cols, generator=gen).to(dtype)
+                ref = reference.int_matmul_reference(fmt, data, scales, cols, x.float())
+                magnitude = x.double().abs() @ reference.dequantize(fmt, data, scales, cols=cols).abs().T
+                err = (matmul(m, x, path).double() - ref).abs()
+                assert (err <= 1e-5 * magnitude + 1e-6).all(), f"{rows}x{cols} T={tokens} {dtype}: {err.max():.3g}"
+
+
+@pytest.mark.parametrize("fmt,group", [(fmt, group) for fmt in formats.INT_FORMATS for group in formats.INT_GROUPS])
 @pytest.mark.parametrize("path", ["gemv", "gemm"])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_largest_codes_do_not_overflow_integer_sums(each_isa, fmt, group, path, sign):
