@@ -6,6 +6,12 @@ namespace hm {
 namespace {
 
 struct Avx2Attn : Avx2 {
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }  // b where either is NaN
+  static float hmax(F v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
   static void hsum4_store(float* o, F a, F b, F c, F d) { _mm_storeu_ps(o, hsum4(a, b, c, d)); }
 };
 

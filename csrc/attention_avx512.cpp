@@ -6,6 +6,8 @@ namespace hm {
 namespace {
 
 struct Avx512Attn : Avx512 {
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }  // b where either is NaN
+  static float hmax(F v) { return _mm512_reduce_max_ps(v); }
   static void hsum4_store(float* o, F a, F b, F c, F d) { _mm_storeu_ps(o, hsum4(a, b, c, d)); }
 };
 

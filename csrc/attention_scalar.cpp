@@ -18,6 +18,9 @@ struct ScalarAttn {
   static F exp(F x) { return std::exp(x); }
   static F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
   static F load_f16(const uint16_t* p) { return half_to_float(*p); }
+  static F max(F a, F b) { return a > b ? a : b; }  // b where either is NaN, as the vector max instructions
+  static float hmax(F v) { return v; }
+  static float hsum(F v) { return v; }
   static void hsum4_store(float* o, F a, F b, F c, F d) {
     o[0] = a;
     o[1] = b;

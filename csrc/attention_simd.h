@@ -109,10 +109,14 @@ void attention_unit(const DecodeAttnArgs& a, const AttnUnit& u) {
 
   for (int64_t j0 = start; j0 < ctx; j0 += kAttnTile) {
     const int64_t n = std::min(kAttnTile, ctx - j0);
-    for (int64_t jj = 0; jj < n; ++jj) {
-      const int64_t j = j0 + jj, b = j / a.block_size, off = j - b * a.block_size;
-      const int64_t block = a.block_tables_i32 ? static_cast<const int32_t*>(a.block_tables)[bt0 + b]
-                                               : static_cast<const int64_t*>(a.block_tables)[bt0 + b];
+    // the tile's keys' rows, walking the block table (one division a tile, not one a key)
+    int64_t b = j0 / a.block_size, off = j0 - b * a.block_size, block = 0;
+    for (int64_t jj = 0; jj < n; ++jj, ++off) {
+      if (jj == 0 || off == a.block_size) {
+        if (off == a.block_size) ++b, off = 0;
+        block = a.block_tables_i32 ? static_cast<const int32_t*>(a.block_tables)[bt0 + b]
+                                   : static_cast<const int64_t*>(a.block_tables)[bt0 + b];
+      }
       kp[jj] = kbase + block * a.k_stride_block + off * a.k_stride_token;
       vp[jj] = vbase + block * a.v_stride_block + off * a.v_stride_token;
     }
@@ -161,19 +165,29 @@ void attention_unit(const DecodeAttnArgs& a, const AttnUnit& u) {
       }
     }
 
-    // online softmax: the tile's probabilities against the running maximum
-    const int64_t nv = (n + W - 1) / W * W;
+    // online softmax: the tile's probabilities against the running maximum; the maximum and the sum in vectors
+    // (scalar chains of 64 dependent max and add were a large part of the tile)
+    const int64_t nv = (n + W - 1) / W * W, nw = n / W * W;  // padded, whole vectors
+    const float neg_inf = -std::numeric_limits<float>::infinity();
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * kAttnTile;
-      float mt = sg[0];
-      for (int64_t jj = 1; jj < n; ++jj) mt = std::max(mt, sg[jj]);
-      const float m_new = std::max(m[g], mt);
-      const float corr = m[g] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[g] - m_new);
-      for (int64_t jj = n; jj < nv; ++jj) sg[jj] = m_new;
+      for (int64_t jj = n; jj < nv; ++jj) sg[jj] = neg_inf;  // padding: never the maximum
+      F mv = V::set1(neg_inf);
+      for (int64_t jj = 0; jj < nv; jj += W) mv = V::max(V::load(sg + jj), mv);  // a NaN score passed over
+      const float m_new = std::max(m[g], V::hmax(mv));
+      const float corr = m[g] == neg_inf ? 0.0f : std::exp(m[g] - m_new);
       const F neg_m = V::set1(-m_new);
-      for (int64_t jj = 0; jj < nv; jj += W) V::store(sg + jj, V::exp(V::add(V::load(sg + jj), neg_m)));
-      float sum = 0.0f;
-      for (int64_t jj = 0; jj < n; ++jj) sum += sg[jj];
+      F sv = V::zero();
+      for (int64_t jj = 0; jj < nw; jj += W) {
+        const F p = V::exp(V::add(V::load(sg + jj), neg_m));
+        V::store(sg + jj, p);
+        sv = V::add(sv, p);
+      }
+      float sum = V::hsum(sv);
+      if (nw < n) {  // the last partial vector: its real lanes only
+        V::store(sg + nw, V::exp(V::add(V::load(sg + nw), neg_m)));
+        for (int64_t jj = nw; jj < n; ++jj) sum += sg[jj];
+      }
       l[g] = l[g] * corr + sum;
       m[g] = m_new;
       if (corr != 1.0f) {
