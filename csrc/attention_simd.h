@@ -110,13 +110,13 @@ void attention_unit(const DecodeAttnArgs& a, const AttnUnit& u) {
   for (int64_t j0 = start; j0 < ctx; j0 += kAttnTile) {
     const int64_t n = std::min(kAttnTile, ctx - j0);
     // the tile's keys' rows, walking the block table (one division a tile, not one a key)
-    int64_t b = j0 / a.block_size, off = j0 - b * a.block_size, block = 0;
+    auto block_at = [&](int64_t b) -> int64_t {
+      return a.block_tables_i32 ? static_cast<const int32_t*>(a.block_tables)[bt0 + b]
+                                : static_cast<const int64_t*>(a.block_tables)[bt0 + b];
+    };
+    int64_t b = j0 / a.block_size, off = j0 - b * a.block_size, block = block_at(b);
     for (int64_t jj = 0; jj < n; ++jj, ++off) {
-      if (jj == 0 || off == a.block_size) {
-        if (off == a.block_size) ++b, off = 0;
-        block = a.block_tables_i32 ? static_cast<const int32_t*>(a.block_tables)[bt0 + b]
-                                   : static_cast<const int64_t*>(a.block_tables)[bt0 + b];
-      }
+      if (off == a.block_size) block = block_at(++b), off = 0;
       kp[jj] = kbase + block * a.k_stride_block + off * a.k_stride_token;
       vp[jj] = vbase + block * a.v_stride_block + off * a.v_stride_token;
     }

@@ -327,10 +327,11 @@ struct LaneSteps {
   }
 };
 
-// The tokens' activations as the steps read them, prepared once per call: tables[m * ldt + s * 32 ..] (xs and c of
-// step s; groups past the row's are 0) and q[m * ldq + s * kActBytes ..] the int8 activations of step s (per chunk
-// elements 0-15, for the four chunks, then their elements 16-31), zero-padded to whole steps. Built in vectors: the matmul is called per block of 128 rows, and a scalar loop here was visible in the
-// MoE's time at T = 32-256.
+// The tokens' activations as the steps read them, prepared once per call (a task's rows x a block of up to 128
+// tokens): tables[m * ldt + s * 32 ..] (xs and c of step s; groups past the row's are 0) and q[m * ldq + s *
+// kActBytes ..] the int8 activations of step s (per chunk elements 0-15, for the four chunks, then their elements
+// 16-31), zero-padded to whole steps. Built in vectors: the matmul is called per block of 128 rows, and a scalar
+// loop here was visible in the MoE's time at T = 32-256.
 struct LaneActivations {
   const float* tables;
   const int8_t* q;
