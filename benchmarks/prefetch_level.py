@@ -7,6 +7,12 @@ on huge pages, a new routing each call) and so is the bandwidth probe.
                                         [--tokens 1,4] [--rounds 8] [--seconds 0.25] [--pool-mib MIB]
                                         (HYBRIDMOE_NUM_THREADS=N for another thread count)
 
+    python benchmarks/prefetch_level.py --model DIR[,DIR...] [--rounds 4] [--prompt-tokens 512] [--decode-tokens 64]
+
+--model times a whole engine's decode instead: one engine per checkpoint decodes --decode-tokens greedy tokens
+after the same prompt (random ids, its KV cache float16), the two levels alternating over the rounds; prints the
+median tok/s of each, their ratio per round, and whether both levels gave the same tokens.
+
 A shape is a name from the bench (qwen3-30b-a3b, deepseek-v3) or HIDDENxINTERxEXPERTSxTOPK (e.g. 256x96x16x4).
 Each round times each level for about --seconds (which goes first alternates), then reads the bandwidth probe
 once. --pool-mib sets the pool of a shape and format; by default it is the full bench's (1 GiB, or 4x the
@@ -72,6 +78,53 @@ def _case(pool: bench.ExpertPool, tokens: int, top_k: int, rounds: int, seconds:
             "probe_range": (min(probes), max(probes))}
 
 
+def _engine_case(model: str, rounds: int, prompt_tokens: int, decode_tokens: int) -> dict:
+    from hybridmoe.runtime.engine import EngineConfig, LLMEngine
+    from hybridmoe.runtime.sampling_params import SamplingParams
+
+    engine = LLMEngine(model, EngineConfig(kv_cache_dtype="float16", enable_prefix_caching=False),
+                       show_progress=False)
+    prompt = torch.randint(0, engine.model_config.vocab_size, (prompt_tokens,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+
+    def decode(steps: int) -> tuple[float, list[int]]:
+        """tok/s of the steps after the prompt's, and the tokens."""
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+        tokens, start = [], None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += out.new_token_ids
+            start = start or time.perf_counter()
+        return steps / (time.perf_counter() - start), tokens
+
+    decode(4)  # warm
+    speeds = {level: [] for level in LEVELS}
+    tokens = {}
+    for r in range(rounds):
+        for level in (LEVELS if r % 2 == 0 else LEVELS[::-1]):
+            isa.set_short_row_prefetch(level)
+            speed, tokens[level] = decode(decode_tokens)
+            speeds[level].append(speed)
+    ratios = [b / a for a, b in zip(speeds["l1"], speeds["l2"])]
+    return {"tok_s": {level: statistics.median(v) for level, v in speeds.items()}, "ratios": ratios,
+            "same_tokens": tokens["l1"] == tokens["l2"]}
+
+
+def _engine_main(args) -> int:
+    before = isa.short_row_prefetch()
+    print(f"ISA {isa.active_isa()}, {isa.num_threads()} threads, CPU family {isa.cpu_family():#x}; whole-engine decode "
+          f"of {args.decode_tokens} tokens after {args.prompt_tokens}, medians of {args.rounds} alternating rounds "
+          f"(this CPU's default: {isa.default_short_row_prefetch()})")
+    try:
+        for model in args.model.split(","):
+            c = _engine_case(model, args.rounds, args.prompt_tokens, args.decode_tokens)
+            print(f"{model}: L1 {c['tok_s']['l1']:.2f} tok/s, L2 {c['tok_s']['l2']:.2f}, L2/L1 by round "
+                  f"{' '.join(f'{r:.2f}' for r in c['ratios'])}; same tokens: {c['same_tokens']}", flush=True)
+    finally:
+        isa.set_short_row_prefetch(before)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3")
@@ -80,7 +133,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=0.25)
     parser.add_argument("--pool-mib", type=int)
+    parser.add_argument("--model", help="checkpoint directories (comma-separated): time whole-engine decode instead")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=64)
     args = parser.parse_args()
+    if args.model:
+        if args.rounds < 1 or args.prompt_tokens < 1 or args.decode_tokens < 1:
+            raise SystemExit("--rounds, --prompt-tokens and --decode-tokens must be positive")
+        return _engine_main(args)
     shapes = {name: _shape(name) for name in args.shapes.split(",")}
     formats = args.formats.split(",")
     unknown = [f for f in formats if f not in bench.FORMATS]

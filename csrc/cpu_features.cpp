@@ -158,7 +158,7 @@ const char* prefetch_level_name(PrefetchLevel level) { return level == PrefetchL
 
 PrefetchLevel default_short_row_prefetch() {
   const CpuFeatures& f = cpu_features();
-  return f.amd && f.family == 0x19 && f.avx512f ? PrefetchLevel::L2 : PrefetchLevel::L1;
+  return f.avx512f ? PrefetchLevel::L2 : PrefetchLevel::L1;
 }
 
 PrefetchLevel short_row_prefetch() {

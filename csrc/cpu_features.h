@@ -44,8 +44,9 @@ const KernelTable* kernels_for(const std::string& name);  // throws if unavailab
 // set_short_row_prefetch changes it for the next matrices.
 PrefetchLevel short_row_prefetch();
 void set_short_row_prefetch(PrefetchLevel level);
-// L2 on AMD Zen 4 (family 0x19 with AVX-512), where short rows' prefetch into L1 held the L1 miss buffers and
-// halved one thread's read rate (hm_types.h, docs/kernels.md); L1 elsewhere.
+// L2 on CPUs with AVX-512, where short rows' prefetch into L1 held the L1 miss buffers (AMD Zen 4: half one
+// thread's read rate; an AMX Xeon: int4 / int8 decode 1.1-1.3x slower) (hm_types.h, docs/kernels.md); L1 on
+// AVX2-only CPUs.
 PrefetchLevel default_short_row_prefetch();
 // "l1" | "l2", else std::invalid_argument("<what> must be l1 or l2, got '<name>'")
 PrefetchLevel parse_prefetch_level(const std::string& name, const std::string& what = "prefetch level");

@@ -112,8 +112,9 @@ constexpr int64_t kAmxMinTokens = 8;
 // (under kPrefetchL2MinBytes) at one token (any tokens with bf16 dot products; not the float32 GEMV's 4-row tiles,
 // kernels_simd_float.h): into L1 (prefetcht0) or only into L2 (prefetcht1, each line asked for twice: the Twice
 // policies of NextRows, kernels_simd_common.h). Longer rows, and several tokens whose activations would be
-// evicted, go to L2 either way. L2 pays on AMD Zen 4, where prefetches into L1 hold the core's L1 miss buffers for
-// a whole memory latency and the arithmetic and the reads take turns; elsewhere L1 (docs/kernels.md, "Prefetch").
+// evicted, go to L2 either way. L2 pays on the AVX-512 CPUs measured (AMD Zen 4, an AMX Xeon), where prefetches
+// into L1 hold the core's L1 miss buffers for a whole memory latency and the arithmetic and the reads take turns;
+// L1 on AVX2-only CPUs (docs/kernels.md, "Prefetch").
 // One setting for the process, read by the kernels at each matrix; cpu_features.h resolves it before the first
 // kernel runs (short_row_prefetch: HYBRIDMOE_SHORT_ROW_PREFETCH, else this CPU's default). Unresolved until then;
 // the kernels take anything but L2 as L1.

@@ -54,7 +54,7 @@ HM_TILE_INLINE typename V::F decode(const uint8_t* p) {
 // (short rows, whose next tile's lines must be in L1 when it starts) or L2; or (float GEMV, long rows) R streams,
 // each of the next rows at this tile's position, into L2 (long rows would otherwise restart the hardware
 // prefetchers at every row). The Twice policies go with the L2 level of short rows' far prefetch
-// (g_short_row_prefetch, hm_types.h; AMD Zen 4): LinearL2Twice (short rows' far prefetch) and StreamsL2Twice
+// (g_short_row_prefetch, hm_types.h; AVX-512 CPUs): LinearL2Twice (short rows' far prefetch) and StreamsL2Twice
 // (one-row tiles of long rows) prefetch each line again kPrefetchAgainBytes further ahead, so that every line is
 // asked for twice, first from about twice as far; with one prefetch a line one Zen 4 thread fell short of a plain
 // read (docs/kernels.md, "Prefetch").

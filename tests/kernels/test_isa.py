@@ -102,11 +102,9 @@ def test_bad_idle_spin_values_are_clear_errors():
 
 
 def test_short_row_prefetch_defaults_by_cpu_and_can_be_set():
-    """Short rows' far prefetch goes to L2 on AMD Zen 4 (family 0x19 with AVX-512), to L1 elsewhere, unless
+    """Short rows' far prefetch goes to L2 on CPUs with AVX-512, to L1 on the others, unless
     HYBRIDMOE_SHORT_ROW_PREFETCH or set_short_row_prefetch says otherwise."""
-    features = isa.cpu_features()
-    zen4 = features["amd"] and isa.cpu_family() == 0x19 and features["avx512f"]
-    assert isa.default_short_row_prefetch() == ("l2" if zen4 else "l1")
+    assert isa.default_short_row_prefetch() == ("l2" if isa.cpu_features()["avx512f"] else "l1")
     code = "from hybridmoe.kernels import isa; isa.active_isa(); print(isa.short_row_prefetch())"
     result = _run(code, HYBRIDMOE_SHORT_ROW_PREFETCH="")
     assert result.returncode == 0 and result.stdout.strip() == isa.default_short_row_prefetch(), result.stderr

@@ -14,10 +14,11 @@ an idle worker spins for the next call before it sleeps (idle_spin_us; default 1
 accelerator's work between two MoE layers, the workers need no wake-up and their CPUs stay awake, but a spinning
 worker holds its CPU from any other work, such as torch's where the CPU stands in for the accelerator.
 HYBRIDMOE_SHORT_ROW_PREFETCH=l1|l2 sets where the GEMV's prefetch that reaches ahead puts rows under 3 KB at one
-token (short_row_prefetch; default by CPU: l2 on AMD Zen 4, whose L1 miss buffers the prefetch into L1 held up,
-l1 elsewhere). HYBRIDMOE_LONG_ROW_PREFETCH=on|off sets whether the GEMV's one-row tiles of rows of 4 KB and more (one
-token) prefetch the next row as they read their own (long_row_prefetch; default by CPU: off on AMD Zen 3, where the
-hardware prefetchers alone read faster, on elsewhere).
+token (short_row_prefetch; default by CPU: l2 where the CPU has AVX-512, since the prefetch into L1 held up the L1
+miss buffers of the AMD Zen 4 and the AMX Xeon measured; l1 on AVX2-only CPUs). HYBRIDMOE_LONG_ROW_PREFETCH=on|off
+sets whether the GEMV's one-row tiles of rows of 4 KB and more (one token) prefetch the next row as they read their
+own (long_row_prefetch; default by CPU: off on AMD Zen 3, where the hardware prefetchers alone read faster, on
+elsewhere).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def short_row_prefetch() -> str:
 
 
 def default_short_row_prefetch() -> str:
-    """This CPU's short_row_prefetch() without HYBRIDMOE_SHORT_ROW_PREFETCH: "l2" on AMD Zen 4, else "l1"."""
+    """This CPU's short_row_prefetch() without HYBRIDMOE_SHORT_ROW_PREFETCH: "l2" with AVX-512, else "l1"."""
     return str(_native.default_short_row_prefetch())
 
 
