@@ -7,6 +7,9 @@
 // once per 4 heads, each query vector once per 2 keys), the tile's maximum per head, p = exp(s - m) and the running
 // sum / accumulator rescaled by exp(m_old - m) (online softmax, float32), then acc += p v with 4 heads' accumulators
 // of two W-wide column chunks in registers over the tile's keys. The output is acc / sum in the output's dtype.
+// A decode step finds the cache cold (a layer's weights streamed through since its last read), so while a tile's
+// scores are computed its value rows and the next tile's key rows are prefetched into L2: at context 576-2048 in a
+// Qwen3-30B-A3B-shaped decode, 1.2-1.5x faster than waiting on each row.
 #pragma once
 
 #include <algorithm>
@@ -104,12 +107,9 @@ void attention_unit(const DecodeAttnArgs& a, const AttnUnit& u) {
   const E* kbase = static_cast<const E*>(a.k) + u.kv_head * a.k_stride_head;
   const E* vbase = static_cast<const E*>(a.v) + u.kv_head * a.v_stride_head;
   const int64_t bt0 = u.seq * a.block_table_stride;
-  const E* kp[kAttnTile + 1];
-  const E* vp[kAttnTile + 1];
-
-  for (int64_t j0 = start; j0 < ctx; j0 += kAttnTile) {
-    const int64_t n = std::min(kAttnTile, ctx - j0);
-    // the tile's keys' rows, walking the block table (one division a tile, not one a key)
+  // the rows of keys [j0, j0 + n), walking the block table (one division a tile, not one a key); an odd tile's last
+  // pair repeats its last key (its second score is not used)
+  auto rows_of = [&](int64_t j0, int64_t n, const E** kp, const E** vp) {
     auto block_at = [&](int64_t b) -> int64_t {
       return a.block_tables_i32 ? static_cast<const int32_t*>(a.block_tables)[bt0 + b]
                                 : static_cast<const int64_t*>(a.block_tables)[bt0 + b];
@@ -120,7 +120,24 @@ void attention_unit(const DecodeAttnArgs& a, const AttnUnit& u) {
       kp[jj] = kbase + block * a.k_stride_block + off * a.k_stride_token;
       vp[jj] = vbase + block * a.v_stride_block + off * a.v_stride_token;
     }
-    kp[n] = kp[n - 1];  // an odd tile's last pair repeats its last key (its second score is not used)
+    kp[n] = kp[n - 1];
+  };
+  const E* kp[kAttnTile + 1];
+  const E* vp[kAttnTile + 1];
+  const E* kn[kAttnTile + 1];  // the next tile's rows, prefetched while this one is scored
+  const E* vn[kAttnTile + 1];
+  const int64_t k_row_bytes = D * static_cast<int64_t>(sizeof(E)), v_row_bytes = Dv * static_cast<int64_t>(sizeof(E));
+  auto prefetch_row = [](const E* row, int64_t bytes) {  // into L2 (prefetcht1)
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + o, 0, 2);
+  };
+  if (start < ctx) rows_of(start, std::min(kAttnTile, ctx - start), kn, vn);
+
+  for (int64_t j0 = start; j0 < ctx; j0 += kAttnTile) {
+    const int64_t n = std::min(kAttnTile, ctx - j0);
+    std::copy(kn, kn + n + 1, kp);
+    std::copy(vn, vn + n + 1, vp);
+    const int64_t n_next = std::min(kAttnTile, ctx - j0 - n);
+    if (n_next > 0) rows_of(j0 + n, n_next, kn, vn);
 
     // scores: 4 heads x 2 keys a step
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
@@ -131,6 +148,11 @@ void attention_unit(const DecodeAttnArgs& a, const AttnUnit& u) {
       for (int64_t jj = 0; jj < n; jj += 2) {
         const E* ka = kp[jj];
         const E* kb = kp[jj + 1];
+        if (g0 == 0) {  // into L2: the pair's value rows (read after the scores) and two of the next tile's key rows
+          prefetch_row(vp[jj], v_row_bytes);
+          if (jj + 1 < n) prefetch_row(vp[jj + 1], v_row_bytes);
+          for (int64_t t = jj; t < std::min(jj + 2, n_next); ++t) prefetch_row(kn[t], k_row_bytes);
+        }
         F a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
         F b0 = V::zero(), b1 = V::zero(), b2 = V::zero(), b3 = V::zero();
         for (int64_t d = 0; d < Dvec; d += W) {
