@@ -138,8 +138,9 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     args = parser.parse_args()
     if args.model:
-        if args.rounds < 1 or args.prompt_tokens < 1 or args.decode_tokens < 1:
-            raise SystemExit("--rounds, --prompt-tokens and --decode-tokens must be positive")
+        for name in ("rounds", "prompt_tokens", "decode_tokens"):
+            if getattr(args, name) < 1:
+                raise SystemExit(f"--{name.replace('_', '-')} must be positive")
         return _engine_main(args)
     shapes = {name: _shape(name) for name in args.shapes.split(",")}
     formats = args.formats.split(",")

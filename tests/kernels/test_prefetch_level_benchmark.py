@@ -34,6 +34,21 @@ def test_prefetch_level_benchmark_prints_every_case():
         assert low <= float(r[7].rstrip("x")) <= high
 
 
+@pytest.mark.slow
+def test_whole_engine_decode_at_both_levels(tiny_model_dir):
+    """--model decodes with each level in turn in one engine: both give the same greedy tokens."""
+    model = tiny_model_dir("qwen3_moe")
+    result = _run("--model", str(model), "--rounds", "2", "--prompt-tokens", "12", "--decode-tokens", "4",
+                  HYBRIDMOE_SHORT_ROW_PREFETCH="l1")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "whole-engine decode of 4 tokens after 12, medians of 2 alternating rounds" in lines[0]
+    (row,) = [line for line in lines[1:] if line.startswith(str(model))]
+    fields = row.split()
+    assert float(fields[fields.index("L1") + 1]) > 0 and float(fields[fields.index("L2") + 1].rstrip(",")) > 0
+    assert row.endswith("same tokens: True")
+
+
 def test_bad_arguments_are_clear_errors():
     result = _run("--shapes", "256x96x16")
     assert result.returncode != 0 and "HIDDENxINTERxEXPERTSxTOPK" in result.stderr
@@ -45,3 +60,5 @@ def test_bad_arguments_are_clear_errors():
     assert result.returncode != 0 and "must be positive" in result.stderr
     result = _run("--shapes", "256x96x16x4", "--pool-mib", "0")
     assert result.returncode != 0 and "must be positive" in result.stderr
+    result = _run("--model", "unused", "--decode-tokens", "0")
+    assert result.returncode != 0 and "--decode-tokens must be positive" in result.stderr
