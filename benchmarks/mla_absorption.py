@@ -82,10 +82,10 @@ def layer_only(tokens: list[int], layers: int, rounds: int, calls: int, threads:
 
 
 def engine_decode(model: str, decode_tokens: int, rounds: int) -> None:
+    from hybridmoe.bench._greedy_decode import timed_greedy_decode
     from hybridmoe.kernels import isa
     from hybridmoe.layers import attention_mla
     from hybridmoe.runtime.llm import LLM
-    from hybridmoe.runtime.sampling_params import SamplingParams
 
     llm = LLM(model)
     engine = llm.engine
@@ -94,15 +94,8 @@ def engine_decode(model: str, decode_tokens: int, rounds: int) -> None:
 
     def decode(variant: str, steps: int) -> dict:
         attention_mla.ABSORB_KERNEL_MAX_TOKENS = kernel_max if variant == "kernel" else 0
-        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
-        first, tokens = None, []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.new_token_ids and first is None:
-                    first = time.perf_counter()
-                tokens = out.token_ids
-        seconds = time.perf_counter() - first
-        return {"tok_s": (len(tokens) - 1) / seconds, "tokens": tokens}
+        tok_s, tokens = timed_greedy_decode(engine, prompt, steps)
+        return {"tok_s": tok_s, "tokens": tokens}
 
     decode("kernel", 4)
     decode("bmm", 4)

@@ -79,31 +79,20 @@ def _case(pool: bench.ExpertPool, tokens: int, top_k: int, rounds: int, seconds:
 
 
 def _engine_case(model: str, rounds: int, prompt_tokens: int, decode_tokens: int) -> dict:
+    from hybridmoe.bench._greedy_decode import timed_greedy_decode
     from hybridmoe.runtime.engine import EngineConfig, LLMEngine
-    from hybridmoe.runtime.sampling_params import SamplingParams
 
     engine = LLMEngine(model, EngineConfig(kv_cache_dtype="float16", enable_prefix_caching=False),
                        show_progress=False)
     prompt = torch.randint(0, engine.model_config.vocab_size, (prompt_tokens,),
                            generator=torch.Generator().manual_seed(0)).tolist()
-
-    def decode(steps: int) -> tuple[float, list[int]]:
-        """tok/s of the steps after the prompt's, and the tokens."""
-        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
-        tokens, start = [], None
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens += out.new_token_ids
-            start = start or time.perf_counter()
-        return steps / (time.perf_counter() - start), tokens
-
-    decode(4)  # warm
+    timed_greedy_decode(engine, prompt, 4)  # warm
     speeds = {level: [] for level in LEVELS}
     tokens = {}
     for r in range(rounds):
         for level in (LEVELS if r % 2 == 0 else LEVELS[::-1]):
             isa.set_short_row_prefetch(level)
-            speed, tokens[level] = decode(decode_tokens)
+            speed, tokens[level] = timed_greedy_decode(engine, prompt, decode_tokens)
             speeds[level].append(speed)
     ratios = [b / a for a, b in zip(speeds["l1"], speeds["l2"])]
     return {"tok_s": {level: statistics.median(v) for level, v in speeds.items()}, "ratios": ratios,

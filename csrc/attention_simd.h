@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "attention.h"
@@ -122,10 +123,11 @@ void attention_unit(const DecodeAttnArgs& a, const AttnUnit& u) {
     }
     kp[n] = kp[n - 1];
   };
-  const E* kp[kAttnTile + 1];
-  const E* vp[kAttnTile + 1];
-  const E* kn[kAttnTile + 1];  // the next tile's rows, prefetched while this one is scored
-  const E* vn[kAttnTile + 1];
+  const E* rows[4][kAttnTile + 1];
+  const E** kp = rows[0];  // this tile's rows
+  const E** vp = rows[1];
+  const E** kn = rows[2];  // the next tile's, prefetched while this one is scored; swapped in for the next tile
+  const E** vn = rows[3];
   const int64_t k_row_bytes = D * static_cast<int64_t>(sizeof(E)), v_row_bytes = Dv * static_cast<int64_t>(sizeof(E));
   auto prefetch_row = [](const E* row, int64_t bytes) {  // into L2 (prefetcht1)
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + o, 0, 2);
@@ -134,8 +136,8 @@ void attention_unit(const DecodeAttnArgs& a, const AttnUnit& u) {
 
   for (int64_t j0 = start; j0 < ctx; j0 += kAttnTile) {
     const int64_t n = std::min(kAttnTile, ctx - j0);
-    std::copy(kn, kn + n + 1, kp);
-    std::copy(vn, vn + n + 1, vp);
+    std::swap(kp, kn);
+    std::swap(vp, vn);
     const int64_t n_next = std::min(kAttnTile, ctx - j0 - n);
     if (n_next > 0) rows_of(j0 + n, n_next, kn, vn);
 
