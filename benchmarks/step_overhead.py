@@ -1,15 +1,18 @@
-"""A decode step's fixed cost with the norms and rotary embeddings on the C++ kernels against the same engine with
-them through torch, side by side in one process (issue 42; not run by CI).
+"""A decode step's fixed cost with its layers in one native call (the decode stack), with each of their kernels called
+from Python, and with the norms and rotary embeddings through torch, side by side in one process (issue 42; not run
+by CI).
 
     python benchmarks/step_overhead.py [--model DIR] [--layers 48] [--rounds 9] [--threads 2]
+                                       [--variants stack,kernels,torch] [--dtype float32]
 
 The model defaults to a random Qwen3-MoE of the family's tiny test dimensions with --layers layers (made once under
 ~/.cache/hybridmoe), whose decode step is almost nothing but per-layer fixed cost: what a real model's 48 or 61
 layers pay on top of reading their weights. `--model demo` or a checkpoint directory measures that model instead.
-One engine decodes one request; each round times 10 steps with the kernels ("kernels": the engine as it is) and 10
-with torch ("torch": kernels.norm.applies and kernels.rope.applies answering False, and RoPE's cos/sin computed
-again for every layer, as before the kernels), the order flipping every round. Prints the median ms a step of each
-and their ratio.
+One engine decodes one request; each round times 10 steps of each variant, the order rotating every round:
+"stack" (the engine as it is: models.decode_stack), "kernels" (the stack off: each layer's kernel calls from Python)
+and "torch" (the stack off, kernels.norm.applies and kernels.rope.applies answering False, and RoPE's cos/sin
+computed again for every layer, as before the kernels); --variants picks some of them. Prints the median ms a step
+of each and the ratios of neighbours in that list.
 """
 
 from __future__ import annotations
@@ -27,13 +30,21 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=48, help="layers of the default tiny model (default 48)")
     p.add_argument("--rounds", type=int, default=9, help="alternating rounds (default 9)")
     p.add_argument("--threads", type=int, default=2, help="torch and kernel threads (default 2)")
+    p.add_argument("--variants", default="stack,kernels,torch", help="which to time (default stack,kernels,torch)")
+    p.add_argument("--dtype", default="float32", help="the engine's compute dtype (default float32; auto: the model's)")
     args = p.parse_args()
+    variants = args.variants.split(",")
+    if not variants or any(v not in ("stack", "kernels", "torch") for v in variants) or len(set(variants)) < len(variants):
+        raise SystemExit(f"--variants: some of stack, kernels, torch, each once; got {args.variants!r}")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be positive")
     os.environ["HYBRIDMOE_NUM_THREADS"] = str(args.threads)
     import torch
 
     torch.set_num_threads(args.threads)
     from hybridmoe.kernels import norm, rope
     from hybridmoe.layers.rope import RotaryEmbedding
+    from hybridmoe.models import decode_stack
     from hybridmoe.runtime.engine import EngineConfig, LLMEngine
     from hybridmoe.runtime.sampling_params import SamplingParams
 
@@ -52,28 +63,32 @@ def main() -> None:
         self._last = None
         return cos_sin(self, positions, dtype)
 
-    def use(kernels: bool) -> None:
+    def use(variant: str) -> None:
+        kernels = variant != "torch"
         norm.applies, rope.applies = kernel_applies if kernels else (lambda *a: False, lambda *a: False)
         RotaryEmbedding.cos_sin = cos_sin if kernels else every_layer
+        decode_stack.ENABLED = variant == "stack"
 
-    engine = LLMEngine(model, EngineConfig(dtype="float32"), show_progress=False)
+    engine = LLMEngine(model, EngineConfig(dtype=args.dtype), show_progress=False)
     steps = 10
-    engine.add_request(list(range(5, 37)), SamplingParams(temperature=0.0, max_tokens=4 + 2 * steps * args.rounds,
+    engine.add_request(list(range(5, 37)), SamplingParams(temperature=0.0,
+                                                          max_tokens=4 + len(variants) * steps * args.rounds,
                                                           ignore_eos=True))
     for _ in range(4):  # the prefill and a few warm steps
         engine.step()
-    times: dict[str, list[float]] = {"kernels": [], "torch": []}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(args.rounds):
-        for name in (("kernels", "torch") if r % 2 else ("torch", "kernels")):
-            use(name == "kernels")
+        for name in variants[r % len(variants):] + variants[:r % len(variants)]:
+            use(name)
             start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
             times[name].append((time.perf_counter() - start) / steps * 1e3)
-    use(True)
+    use("stack")
     med = {name: statistics.median(v) for name, v in times.items()}
-    print(f"{model}: ms a decode step, median of {args.rounds} rounds: torch {med['torch']:.2f}, kernels "
-          f"{med['kernels']:.2f}, torch / kernels {med['torch'] / med['kernels']:.2f}x")
+    ratios = [f"{a} / {b} {med[a] / med[b]:.2f}x" for a, b in zip(variants[::-1], variants[::-1][1:])]
+    print(f"{model}: ms a decode step, median of {args.rounds} rounds: "
+          + ", ".join(f"{name} {med[name]:.2f}" for name in variants) + "".join(", " + r for r in ratios))
 
 
 if __name__ == "__main__":

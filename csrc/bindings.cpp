@@ -20,6 +20,8 @@
 
 #include "attention.h"
 #include "cpu_features.h"
+#include "decode_stack.h"
+#include "fp_convert.h"
 #include "moe.h"
 #include "norm.h"
 #include "rope.h"
@@ -634,6 +636,37 @@ void route_py(nb::object logits_obj, int64_t k, bool sigmoid, nb::object bias_ob
   route(a);
 }
 
+// Each sequence's context length from seq_lens [S] (int32 or int64), checked against its row of block_tables
+// [S, max_blocks]: at least 1, within the table, and every block it reads in [0, num_blocks).
+std::vector<int64_t> checked_seq_lens(const Array& bt, const Array& sl, int64_t S, int64_t num_blocks,
+                                      int64_t block_size) {
+  if (bt.dtype() != kI32 && bt.dtype() != kI64) fail("block_tables", "dtype must be int32 or int64");
+  if (sl.dtype() != kI32 && sl.dtype() != kI64) fail("seq_lens", "dtype must be int32 or int64");
+  if (static_cast<int64_t>(bt.shape(0)) != S || static_cast<int64_t>(sl.shape(0)) != S)
+    fail("block_tables", "block_tables " + shape_str(bt) + " and seq_lens " + shape_str(sl) + " must have " +
+                             std::to_string(S) + " rows (q's sequences)");
+  const int64_t MB = bt.shape(1), stride = bt.stride(0);
+  const bool i32 = bt.dtype() == kI32;
+  std::vector<int64_t> lens(static_cast<size_t>(S));
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t len = sl.dtype() == kI32 ? static_cast<const int32_t*>(sl.data())[s * sl.stride(0)]
+                                           : static_cast<const int64_t*>(sl.data())[s * sl.stride(0)];
+    if (len < 1 || len > MB * block_size)
+      fail("seq_lens", "sequence " + std::to_string(s) + ": length " + std::to_string(len) + " outside [1, " +
+                           std::to_string(MB * block_size) + "] (block table of " + std::to_string(MB) + " blocks of " +
+                           std::to_string(block_size) + ")");
+    lens[s] = len;
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+      const int64_t i = s * stride + b;
+      const int64_t id = i32 ? static_cast<const int32_t*>(bt.data())[i] : static_cast<const int64_t*>(bt.data())[i];
+      if (id < 0 || id >= num_blocks)
+        fail("block_tables", "block " + std::to_string(id) + " at [" + std::to_string(s) + ", " + std::to_string(b) +
+                                 "] is out of range [0, " + std::to_string(num_blocks) + ")");
+    }
+  }
+  return lens;
+}
+
 // out[s, h] = softmax(q[s, h] . K_s^T * scale) V_s over sequence s's context in the paged cache.
 void decode_attention_py(nb::object q_obj, nb::object k_obj, nb::object v_obj, nb::object bt_obj, nb::object sl_obj,
                          nb::object out_obj, double scale, int64_t window) {
@@ -656,7 +689,7 @@ void decode_attention_py(nb::object q_obj, nb::object k_obj, nb::object v_obj, n
   a.num_kv_heads = k.shape(2);
   a.block_size = k.shape(1);
   a.v_head_dim = v.shape(3);
-  const int64_t S = a.num_seqs, N = a.num_heads, NB = k.shape(0), MB = bt.shape(1);
+  const int64_t S = a.num_seqs, N = a.num_heads, NB = k.shape(0);
   if (static_cast<int64_t>(k.shape(3)) != a.head_dim)
     fail("k_cache", "head dim " + std::to_string(k.shape(3)) + " != q's " + std::to_string(a.head_dim));
   if (v.shape(0) != k.shape(0) || v.shape(1) != k.shape(1) || v.shape(2) != k.shape(2))
@@ -669,35 +702,13 @@ void decode_attention_py(nb::object q_obj, nb::object k_obj, nb::object v_obj, n
   a.kv_type = attn_type("k_cache", k.dtype());
   if (v.dtype() != k.dtype()) fail("v_cache", "dtype " + dtype_name(v.dtype()) + " != k_cache's " + dtype_name(k.dtype()));
   a.out_type = attn_type("out", out.dtype());
-  if (bt.dtype() != kI32 && bt.dtype() != kI64) fail("block_tables", "dtype must be int32 or int64");
-  if (sl.dtype() != kI32 && sl.dtype() != kI64) fail("seq_lens", "dtype must be int32 or int64");
-  if (static_cast<int64_t>(bt.shape(0)) != S || static_cast<int64_t>(sl.shape(0)) != S)
-    fail("block_tables", "block_tables " + shape_str(bt) + " and seq_lens " + shape_str(sl) + " must have " +
-                             std::to_string(S) + " rows (q's sequences)");
   if (static_cast<int64_t>(out.shape(0)) != S || static_cast<int64_t>(out.shape(1)) != N ||
       static_cast<int64_t>(out.shape(2)) != a.v_head_dim)
     fail("out", "expected shape [" + std::to_string(S) + ", " + std::to_string(N) + ", " +
                     std::to_string(a.v_head_dim) + "], got " + shape_str(out));
-  std::vector<int64_t> lens(static_cast<size_t>(S));
+  const std::vector<int64_t> lens = checked_seq_lens(bt, sl, S, NB, a.block_size);
   a.block_tables_i32 = bt.dtype() == kI32;
   a.block_table_stride = bt.stride(0);
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t len = sl.dtype() == kI32 ? static_cast<const int32_t*>(sl.data())[s * sl.stride(0)]
-                                           : static_cast<const int64_t*>(sl.data())[s * sl.stride(0)];
-    if (len < 1 || len > MB * a.block_size)
-      fail("seq_lens", "sequence " + std::to_string(s) + ": length " + std::to_string(len) + " outside [1, " +
-                           std::to_string(MB * a.block_size) + "] (block table of " + std::to_string(MB) + " blocks of " +
-                           std::to_string(a.block_size) + ")");
-    lens[s] = len;
-    for (int64_t b = 0; b < (len + a.block_size - 1) / a.block_size; ++b) {
-      const int64_t i = s * a.block_table_stride + b;
-      const int64_t id = a.block_tables_i32 ? static_cast<const int32_t*>(bt.data())[i]
-                                            : static_cast<const int64_t*>(bt.data())[i];
-      if (id < 0 || id >= NB)
-        fail("block_tables", "block " + std::to_string(id) + " at [" + std::to_string(s) + ", " + std::to_string(b) +
-                                 "] is out of range [0, " + std::to_string(NB) + ")");
-    }
-  }
   a.q = q.data();
   a.q_stride_seq = q.stride(0);
   a.q_stride_head = q.stride(1);
@@ -720,6 +731,164 @@ void decode_attention_py(nb::object q_obj, nb::object k_obj, nb::object v_obj, n
   const KernelTable* kt = active_kernels();
   run_sync([&a, kt] { decode_attention(a, *kt, global_pool()); });
 }
+
+// A decode step's decoder layers in one call (hm::DecodeStack), holding what it reads: matrices, norms, experts and
+// KV caches.
+struct PyDecodeStack {
+  std::unique_ptr<DecodeStack> stack;
+  std::vector<nb::object> held;
+  int64_t num_slots = 0, num_blocks = 0, block_size = 0;
+
+  // layers: one dict each with q, k, v, o, gate (Matrix), experts (MoE), post_norm, next_norm ([H] arrays),
+  // q_norm, k_norm ([D] arrays or None), cache ([2, NB, BS, Nk, D]), bias (router correction bias [E] or None).
+  PyDecodeStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, bool bf16, double eps, double scale,
+                int64_t window, bool interleaved, int64_t top_k, bool sigmoid, int64_t groups, int64_t topk_groups,
+                bool normalize, double norm_eps, double route_scale, nb::list layers) {
+    DecodeStackShape sh;
+    sh.hidden = hidden;
+    sh.heads = heads;
+    sh.kv_heads = kv_heads;
+    sh.head_dim = head_dim;
+    sh.bf16 = bf16;
+    sh.eps = static_cast<float>(eps);
+    sh.scale = static_cast<float>(scale);
+    sh.window = window > 0 ? window : 0;
+    sh.interleaved = interleaved;
+    if (hidden < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 2 || head_dim % 2)
+      fail("shape", "hidden, heads, kv_heads and an even head_dim must be positive, heads a multiple of kv_heads");
+    const DT compute = bf16 ? kBF16 : kF32;
+    std::vector<DecodeStackLayer> built;
+    for (size_t i = 0; i < nb::len(layers); ++i) {
+      const std::string at = "layers[" + std::to_string(i) + "]";
+      const nb::dict d = nb::cast<nb::dict>(layers[i]);
+      auto item = [&](const char* key) -> nb::object {
+        if (!d.contains(key)) fail(at, std::string("missing '") + key + "'");
+        nb::object value = d[key];
+        held.push_back(value);
+        return value;
+      };
+      auto matrix = [&](const char* key, int64_t rows, int64_t cols) {
+        const Matrix m = nb::cast<const PyMatrix&>(item(key)).m;
+        if (m.rows != rows || m.cols != cols)
+          fail(at + "." + key, "shape [" + std::to_string(m.rows) + ", " + std::to_string(m.cols) + "] != [" +
+                                   std::to_string(rows) + ", " + std::to_string(cols) + "]");
+        return m;
+      };
+      auto vector = [&](const char* key, int64_t n, DT dtype, bool optional) -> const void* {
+        nb::object value = item(key);
+        if (optional && value.is_none()) return nullptr;
+        const Array a = nb::cast<Array>(value, false);
+        check_nd(at + "." + key, a, 1);
+        check_cpu_dtype(at + "." + key, a, {dtype});
+        if (static_cast<int64_t>(a.shape(0)) != n) fail(at + "." + key, "shape " + shape_str(a) + " != [" + std::to_string(n) + "]");
+        return a.data();
+      };
+      DecodeStackLayer l;
+      l.q = matrix("q", heads * head_dim, hidden);
+      l.k = matrix("k", kv_heads * head_dim, hidden);
+      l.v = matrix("v", kv_heads * head_dim, hidden);
+      l.o = matrix("o", hidden, heads * head_dim);
+      const Matrix qkv[3] = {l.q, l.k, l.v};
+      l.qkv_grouped = matmul_group_mismatch(qkv, 3) == nullptr;
+      l.q_norm = vector("q_norm", head_dim, compute, true);
+      l.k_norm = vector("k_norm", head_dim, compute, true);
+      if ((l.q_norm == nullptr) != (l.k_norm == nullptr)) fail(at, "q_norm and k_norm: both or neither");
+      l.post_norm = vector("post_norm", hidden, compute, false);
+      l.next_norm = vector("next_norm", hidden, compute, false);
+      l.gate = nb::cast<const PyMatrix&>(item("gate")).m;
+      const int64_t E = l.gate.rows;
+      if (l.gate.fmt != WFormat::F32 || l.gate.cols != hidden) fail(at + ".gate", "must be float32 [E, hidden]");
+      if (top_k < 1 || top_k > E || groups < 1 || E % groups || topk_groups < 1 || topk_groups > groups)
+        fail(at + ".gate", "routing of " + std::to_string(top_k) + " experts in " + std::to_string(topk_groups) + " of " +
+                               std::to_string(groups) + " groups does not fit " + std::to_string(E) + " experts");
+      l.route.k = static_cast<int>(top_k);
+      l.route.sigmoid = sigmoid;
+      l.route.bias = static_cast<const float*>(vector("bias", E, kF32, true));
+      l.route.groups = static_cast<int>(groups);
+      l.route.topk_groups = static_cast<int>(topk_groups);
+      l.route.normalize = normalize;
+      l.route.norm_eps = static_cast<float>(norm_eps);
+      l.route.scale = static_cast<float>(route_scale);
+      const MoELayer* experts = nb::cast<const PyMoE&>(item("experts")).layer.get();
+      if (experts->hidden() != hidden || experts->num_experts() != E)
+        fail(at + ".experts", std::to_string(experts->num_experts()) + " experts of hidden " +
+                                  std::to_string(experts->hidden()) + " for a router of " + std::to_string(E) +
+                                  " and hidden " + std::to_string(hidden));
+      l.experts = experts;
+      const MutArray cache = nb::cast<MutArray>(item("cache"), false);
+      check_nd(at + ".cache", cache, 5);
+      if (cache.shape(0) != 2 || static_cast<int64_t>(cache.shape(3)) != kv_heads ||
+          static_cast<int64_t>(cache.shape(4)) != head_dim)
+        fail(at + ".cache", "expected [2, blocks, block_size, " + std::to_string(kv_heads) + ", " +
+                                std::to_string(head_dim) + "], got " + shape_str(cache));
+      const int64_t NB = cache.shape(1), BS = cache.shape(2);
+      if (i == 0) num_blocks = NB, block_size = BS;
+      else if (NB != num_blocks || BS != block_size) fail(at + ".cache", "blocks differ from layers[0]'s");
+      const AttnType type = attn_type(at + ".cache", cache.dtype());
+      const size_t esize = type == AttnType::F32 ? 4 : 2;
+      for (int half = 0; half < 2; ++half) {
+        CacheView& c = half ? l.v_cache : l.k_cache;
+        c.data = static_cast<char*>(cache.data()) + half * cache.stride(0) * esize;
+        c.type = type;
+        c.stride_block = cache.stride(1);
+        c.stride_token = cache.stride(2);
+        c.stride_head = cache.stride(3);
+        c.block_size = BS;
+      }
+      built.push_back(l);
+    }
+    num_slots = num_blocks * block_size;
+    stack = std::make_unique<DecodeStack>(sh, std::move(built));
+  }
+
+  void run(nb::object residual_obj, nb::object x_obj, nb::object cos_obj, nb::object sin_obj, nb::object slots_obj,
+           nb::object bt_obj, nb::object sl_obj) {
+    const DecodeStackShape& sh = stack->shape();
+    const DT compute = sh.bf16 ? kBF16 : kF32;
+    const MutArray residual = nb::cast<MutArray>(residual_obj, false);
+    const MutArray x = nb::cast<MutArray>(x_obj, false);
+    const Array c = nb::cast<Array>(cos_obj, false), s = nb::cast<Array>(sin_obj, false);
+    const Array slots = nb::cast<Array>(slots_obj, false), bt = nb::cast<Array>(bt_obj, false);
+    const Array sl = nb::cast<Array>(sl_obj, false);
+    check_2d("residual", residual, {compute});
+    const int64_t S = residual.shape(0);
+    auto rows = [&](const char* name, const auto& a, int64_t cols) {
+      check_2d(name, a, {compute});
+      check_shape(name, a, S, cols);
+      if (S > 1 && a.stride(0) != cols) fail(name, "must be contiguous");
+    };
+    rows("residual", residual, sh.hidden);
+    rows("x", x, sh.hidden);
+    rows("cos", c, sh.head_dim / 2);
+    rows("sin", s, sh.head_dim / 2);
+    check_nd("slots", slots, 1);
+    check_cpu_dtype("slots", slots, {kI64});
+    if (static_cast<int64_t>(slots.shape(0)) != S) fail("slots", "shape " + shape_str(slots) + " != [" + std::to_string(S) + "]");
+    const int64_t* slot = static_cast<const int64_t*>(slots.data());
+    for (int64_t i = 0; i < S; ++i)
+      if (slot[i] < 0 || slot[i] >= num_slots)
+        fail("slots", "slot " + std::to_string(slot[i]) + " of sequence " + std::to_string(i) + " is outside the cache's [0, " +
+                          std::to_string(num_slots) + ")");
+    check_nd("block_tables", bt, 2);
+    check_nd("seq_lens", sl, 1);
+    const std::vector<int64_t> lens = checked_seq_lens(bt, sl, S, num_blocks, block_size);
+    if (S == 0) return;
+    DecodeStackStep step;
+    step.seqs = S;
+    step.residual = residual.data();
+    step.x = x.data();
+    step.cos = c.data();
+    step.sin = s.data();
+    step.slots = slot;
+    step.block_tables = bt.data();
+    step.block_tables_i32 = bt.dtype() == kI32;
+    step.block_table_stride = bt.stride(0);
+    step.seq_lens = lens.data();
+    const KernelTable* kt = active_kernels();
+    DecodeStack* st = stack.get();
+    run_sync([&step, st, kt] { st->run(step, *kt, global_pool()); });
+  }
+};
 }  // namespace
 }  // namespace hm
 
@@ -776,6 +945,27 @@ NB_MODULE(_native, mod) {
     return shard_copy_bytes(experts, intermediate, global_numa_topology());
   }, "gate"_a, "up"_a, "down"_a, "intermediate"_a,
   "Per NUMA node, the bytes of its copies of these experts' shards (empty: the topology reads them in place).");
+  mod.def("round_to_half", [](nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> values) {
+    const size_t n = values.shape(0);
+    auto* bits = new uint16_t[n];
+    for (size_t i = 0; i < n; ++i) bits[i] = float_to_half(values.data()[i]);
+    nb::capsule owner(bits, [](void* p) noexcept { delete[] static_cast<uint16_t*>(p); });
+    return nb::ndarray<nb::numpy, uint16_t, nb::ndim<1>>(bits, {n}, owner);
+  }, "values"_a, "float32 values -> float16 bit patterns (uint16), rounded as the decode stack writes a float16 KV "
+     "cache.");
+  nb::class_<PyDecodeStack>(mod, "DecodeStack",
+                             "A decode step's grouped-query-attention MoE layers in one call, each part the kernel "
+                             "call the Python decoder makes")
+      .def(nb::init<int64_t, int64_t, int64_t, int64_t, bool, double, double, int64_t, bool, int64_t, bool, int64_t,
+                    int64_t, bool, double, double, nb::list>(),
+           "hidden"_a, "heads"_a, "kv_heads"_a, "head_dim"_a, "bf16"_a, "eps"_a, "scale"_a, "window"_a,
+           "interleaved"_a, "top_k"_a, "sigmoid"_a, "groups"_a, "topk_groups"_a, "normalize"_a, "norm_eps"_a,
+           "route_scale"_a, "layers"_a)
+      .def_prop_ro("num_layers", [](const PyDecodeStack& p) { return p.stack->layers().size(); })
+      .def("run", &PyDecodeStack::run, "residual"_a, "x"_a, "cos"_a, "sin"_a, "slots"_a, "block_tables"_a,
+           "seq_lens"_a,
+           "Every layer for one token a sequence: residual [S, H] updated in place, x [S, H] the first layer's "
+           "normed input in and the final norm's output out.");
   nb::class_<MoEHandle>(mod, "MoEHandle")
       .def("wait", &MoEHandle::wait, "Blocks (GIL released) until done; returns the output array.")
       .def("done", &MoEHandle::done);

@@ -55,6 +55,26 @@ inline float half_to_float(uint16_t h) {
   return sign ? -v : v;
 }
 
+// float32 -> IEEE half, rounded to nearest even (overflow to infinity, subnormals kept), NaN -> a quiet NaN.
+inline uint16_t float_to_half(float f) {
+  const uint32_t u = float_to_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7E00u;
+  if (a >= 0x477FF000u) return sign | 0x7C00u;  // |f| >= 65520 rounds to infinity
+  if (a >= 0x38800000u) {  // a normal half: rebias the exponent (127 -> 15), round the 13 dropped bits
+    const uint32_t r = a - 0x38000000u;
+    return sign | static_cast<uint16_t>((r + 0xFFFu + ((r >> 13) & 1u)) >> 13);
+  }
+  if (a < 0x33000000u) return sign;  // below 2^-25 (half the smallest subnormal): zero
+  const uint32_t exponent = a >> 23, mantissa = (a & 0x7FFFFFu) | 0x800000u;
+  const uint32_t shift = 126 - exponent;  // units of 2^-24, the half subnormal step: 14..24
+  uint32_t h = mantissa >> shift;
+  const uint32_t rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+  if (rest > halfway || (rest == halfway && (h & 1u))) ++h;
+  return sign | static_cast<uint16_t>(h);
+}
+
 // float8 e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities; 0x7F/0xFF are NaN.
 inline float fp8_e4m3_to_float(uint8_t b) {
   const int exp = (b >> 3) & 0xF;

@@ -156,6 +156,7 @@ def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
 
     from hybridmoe.layers import attention_mla, paged_attention
     from hybridmoe.layers.linear import Linear, LinearGroup
+    from hybridmoe.models import decode_stack
     from hybridmoe.runtime.model_runner import ModelRunner, SequenceChunk
 
     linears, absorptions, attention = [], [], [0]
@@ -194,12 +195,14 @@ def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
             runner.forward([SequenceChunk(tokens[:-1], 0, list(range(8)))])
         Linear.__call__, paged_attention.decode_attention, LinearGroup.__call__ = recording, counted_kernel, separately
         attention_mla.matmul_heads = recorded_heads
+        decode_stack.ENABLED = False  # the layers' calls from Python, where they can be recorded (the stack's are these)
         try:
             with Trace():
                 runner.forward([SequenceChunk(tokens[-queries:], context - queries, list(range(8)))])
         finally:
             Linear.__call__, paged_attention.decode_attention, LinearGroup.__call__ = project, kernel, grouped
             attention_mla.matmul_heads = per_head_kernel
+            decode_stack.ENABLED = True
     return sorted(linears), sorted(absorptions), attention[0]
 
 

@@ -85,6 +85,11 @@ class FusedMoE:
         self._tensors = None if self.owns_weights else tensors
 
     @property
+    def native(self) -> _native.MoE:
+        """The layer as the kernels hold it (what models.decode_stack passes on to its native stack)."""
+        return self._native
+
+    @property
     def owns_weights(self) -> bool:
         """Every NUMA node computes from its own copy of its shard (several real nodes, or copies asked for): the
         tensors this layer was built from are not referenced, and are freed once the caller drops them."""

@@ -26,6 +26,7 @@ from hybridmoe.layers.norm import add_rms_norm_, rms_norm
 from hybridmoe.layers.paged_attention import AttentionMetadata
 from hybridmoe.layers.rope import RotaryEmbedding
 from hybridmoe.models.attention import Attention, attention_kind
+from hybridmoe.models.decode_stack import DecodeStack, decode_stack_for
 from hybridmoe.models.weight_loader import WeightLoader
 
 if TYPE_CHECKING:
@@ -56,6 +57,10 @@ class MoEDecoderModel:
         # observe(layer_index) after each layer of a forward, once its KV is in the cache (the PD prefill worker
         # sends a prompt's KV layer by layer); a forward with one runs layer by layer (no dual-batch split)
         self.layer_observers: list[Callable[[int], None]] = []
+        # a decode step's layers in one native call where they qualify (models/decode_stack.py): made at the first
+        # decode step, remade for other caches; why the model does not qualify ("" when it does; None: not asked)
+        self.decode_stack: DecodeStack | None = None
+        self.decode_stack_unsupported: str | None = None
 
     def add_routing_observer(self, observe: Callable[[int, torch.Tensor], None]) -> Callable[[], None]:
         """Call observe(layer_index, topk_ids [T, K]) at every MoE layer of every forward (routing statistics);
@@ -92,11 +97,15 @@ class MoEDecoderModel:
         # each residual add goes with the norm after it (one kernel call): the next layer's input norm, or the last
         next_norms = [layer.input_norm for layer in layers[1:]] + [self.norm]
         x = rms_norm(h, layers[0].input_norm if layers else self.norm, eps)  # [T, H]
-        for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
-            x = add_rms_norm_(h, layer.attention.forward(x, positions, meta, cache), layer.post_attention_norm, eps)
-            x = add_rms_norm_(h, layer.mlp.forward(x), next_norms[i], eps)
-            for observe in self.layer_observers:
-                observe(i)
+        stack = decode_stack_for(self, meta, input_ids.shape[0], kv_caches)
+        if stack is not None:  # the same kernel calls from C++: x becomes the final norm's output
+            stack.run(h, x, positions, meta)
+        else:
+            for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
+                x = add_rms_norm_(h, layer.attention.forward(x, positions, meta, cache), layer.post_attention_norm, eps)
+                x = add_rms_norm_(h, layer.mlp.forward(x), next_norms[i], eps)
+                for observe in self.layer_observers:
+                    observe(i)
         if logits_indices is not None:
             x = x[logits_indices]
         return self.lm_head(x).float()

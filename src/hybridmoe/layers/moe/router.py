@@ -26,17 +26,19 @@ class Router:
         self.correction_bias = correction_bias  # [E] float32 (noaux_tc)
         if config.topk_method == "noaux_tc" and correction_bias is None:
             raise ValueError("noaux_tc routing needs e_score_correction_bias")
+        noaux = config.topk_method == "noaux_tc"
+        # the routing kernel's settings (kernels.router.route's keywords), the same for every call
+        self.kernel_args = dict(k=config.num_experts_per_tok, sigmoid=config.scoring_func != "softmax",
+                                bias=correction_bias if noaux else None, groups=config.n_group if noaux else 1,
+                                topk_groups=config.topk_group if noaux else 1, normalize=config.norm_topk_prob,
+                                norm_eps=1e-20 if noaux else 0.0, scale=config.routed_scaling_factor)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K] float32)."""
         cfg = self.cfg
         logits = self.gate(x.float())  # [T, E]
         if kernel.applies(logits):  # the same choice in one call (descending order, where torch's may differ)
-            noaux = cfg.topk_method == "noaux_tc"
-            return kernel.route(logits, cfg.num_experts_per_tok, sigmoid=cfg.scoring_func != "softmax",
-                                bias=self.correction_bias if noaux else None, groups=cfg.n_group if noaux else 1,
-                                topk_groups=cfg.topk_group if noaux else 1, normalize=cfg.norm_topk_prob,
-                                norm_eps=1e-20 if noaux else 0.0, scale=cfg.routed_scaling_factor)
+            return kernel.route(logits, **self.kernel_args)
         if cfg.scoring_func == "softmax":
             scores = logits.softmax(dim=-1)
         else:
