@@ -45,14 +45,17 @@ What it does, each step reused when its output is already there (under --cache, 
 5. Our decode's time in the kernels: every run of ours has timers around its kernel calls (`layers.linear.matmul`,
    every projection, `layers.linear.LinearGroup`, q / k / v together, and `FusedMoE.submit` .. `wait` /
    `FusedMoE.__call__`, the routed experts; each includes its thin Python wrapper; 17 calls a decode step at 4
-   layers, a few microseconds of timers in a step of 20-100 ms),
-   summed over the decode steps against the decode's wall time, median over the runs; the rest (attention, norms,
-   RoPE, routing's top-k, sampling, the scheduler, Python) is "outside the kernels".
+   layers, a few microseconds of timers in a step of 20-100 ms), and around the decode stack's run
+   (`models.decode_stack`: every layer in one native call, attention, norms, RoPE and routing included; then 2 calls
+   a step, the stack and the LM head), summed over the decode steps against the decode's wall time, median over the
+   runs; the rest (sampling, the scheduler, Python; without the stack also attention, norms, RoPE and routing) is
+   "outside the kernels".
 6. The host: the development VM is shared, so each run also records, for prefill and decode apiece, how many CPUs'
    worth of time the rest of the machine was busy (/proc/stat less this process), its involuntary context
    switches and its major page faults. Cells are "median (best)" over the rounds: llama.cpp's decode, whose
    threads meet at a spinning barrier after every graph node, slows down several times over when another process
-   takes one of the two CPUs; ours meets at about 17 kernel calls a step.
+   takes one of the two CPUs; ours meets at the pool after every kernel call (17 a step at 4 layers; the decode stack makes
+   them from C++).
 
 The tokenizer: the random checkpoint has none, and llama.cpp's converter needs one it accepts as Qwen2's. This
 script writes a real byte-level BPE of exactly the model's vocabulary (151936 ids) with `tokenizers`: GPT-2's byte
@@ -798,7 +801,12 @@ def _instrument_kernels(state: dict) -> list[str]:
 
     fused.submit, fused.wait = timed_submit, timed_wait
     wrapped += ["kernels.moe.FusedMoE.__call__", "kernels.moe.FusedMoE.submit..wait"]
-    return wrapped
+    try:  # a decode step's layers in one native call
+        from hybridmoe.models.decode_stack import DecodeStack
+    except ImportError:
+        return wrapped
+    DecodeStack.run = timed(DecodeStack.run)
+    return wrapped + ["models.decode_stack.DecodeStack.run"]
 
 
 def worker_ours(argv: list[str]) -> int:
