@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", help="the engine's compute dtype (default float32; auto: the model's)")
     args = p.parse_args()
     variants = args.variants.split(",")
-    if not variants or any(v not in ("stack", "kernels", "torch") for v in variants) or len(set(variants)) < len(variants):
+    if any(v not in ("stack", "kernels", "torch") for v in variants) or len(set(variants)) < len(variants):
         raise SystemExit(f"--variants: some of stack, kernels, torch, each once; got {args.variants!r}")
     if args.rounds < 1:
         raise SystemExit("--rounds must be positive")

@@ -737,42 +737,66 @@ void decode_attention_py(nb::object q_obj, nb::object k_obj, nb::object v_obj, n
 struct PyDecodeStack {
   std::unique_ptr<DecodeStack> stack;
   std::vector<nb::object> held;
-  int64_t num_slots = 0, num_blocks = 0, block_size = 0;
+  int64_t num_slots = 0, num_blocks = 0, block_size = 0, rotary_half = 0;
 
-  // layers: one dict each with q, k, v, o, gate (Matrix), experts (MoE), post_norm, next_norm ([H] arrays),
-  // q_norm, k_norm ([D] arrays or None), cache ([2, NB, BS, Nk, D]), bias (router correction bias [E] or None).
-  PyDecodeStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, bool bf16, double eps, double scale,
-                int64_t window, bool interleaved, int64_t top_k, bool sigmoid, int64_t groups, int64_t topk_groups,
-                bool normalize, double norm_eps, double route_scale, nb::list layers) {
+  // shape: hidden, heads, mla, kv_heads and head_dim (GQA) or nope_dim, rope_dim, v_dim, lora, q_lora (MLA), bf16,
+  // eps, scale, window, interleaved. routing: top_k, sigmoid, groups, topk_groups, normalize, norm_eps, scale.
+  // layers: one dict each: o, cache, post_norm, next_norm; GQA: q, k, v (Matrix), q_norm, k_norm (arrays or None);
+  // MLA: q_first, q_b (or None), kv_a (Matrix), q_a_norm (or None), kv_a_norm, uk, uv (MatrixHeads); the MLP:
+  // experts (MoE or None), gate (the router's float32 Matrix), bias (or None), mlp ((gate, up, down) Matrices of the
+  // shared experts or the dense MLP, or None).
+  PyDecodeStack(nb::dict shape, nb::dict routing, nb::list layers) {
+    auto get = [](const nb::dict& d, const char* where, const char* key) -> nb::object {
+      if (!d.contains(key)) fail(where, std::string("missing '") + key + "'");
+      return d[key];
+    };
+    auto integer = [&](const char* key) { return nb::cast<int64_t>(get(shape, "shape", key)); };
+    auto number = [&](const char* key) { return static_cast<float>(nb::cast<double>(get(shape, "shape", key))); };
     DecodeStackShape sh;
-    sh.hidden = hidden;
-    sh.heads = heads;
-    sh.kv_heads = kv_heads;
-    sh.head_dim = head_dim;
-    sh.bf16 = bf16;
-    sh.eps = static_cast<float>(eps);
-    sh.scale = static_cast<float>(scale);
-    sh.window = window > 0 ? window : 0;
-    sh.interleaved = interleaved;
-    if (hidden < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 2 || head_dim % 2)
-      fail("shape", "hidden, heads, kv_heads and an even head_dim must be positive, heads a multiple of kv_heads");
-    const DT compute = bf16 ? kBF16 : kF32;
+    sh.hidden = integer("hidden");
+    sh.heads = integer("heads");
+    sh.mla = nb::cast<bool>(get(shape, "shape", "mla"));
+    sh.bf16 = nb::cast<bool>(get(shape, "shape", "bf16"));
+    sh.eps = number("eps");
+    sh.scale = number("scale");
+    sh.window = std::max<int64_t>(0, integer("window"));
+    sh.interleaved = nb::cast<bool>(get(shape, "shape", "interleaved"));
+    if (sh.mla) {
+      sh.nope_dim = integer("nope_dim");
+      sh.rope_dim = integer("rope_dim");
+      sh.v_dim = integer("v_dim");
+      sh.lora = integer("lora");
+      sh.q_lora = integer("q_lora");
+      if (sh.nope_dim < 1 || sh.rope_dim < 2 || sh.rope_dim % 2 || sh.v_dim < 1 || sh.lora < 1 || sh.q_lora < 0)
+        fail("shape", "MLA dims must be positive, the rope dim even");
+      rotary_half = sh.rope_dim / 2;
+    } else {
+      sh.kv_heads = integer("kv_heads");
+      sh.head_dim = integer("head_dim");
+      if (sh.kv_heads < 1 || sh.heads % sh.kv_heads || sh.head_dim < 2 || sh.head_dim % 2)
+        fail("shape", "heads must be a multiple of kv_heads, head_dim even");
+      rotary_half = sh.head_dim / 2;
+    }
+    if (sh.hidden < 1 || sh.heads < 1) fail("shape", "hidden and heads must be positive");
+    const DT compute = sh.bf16 ? kBF16 : kF32;
+    const int64_t H = sh.hidden, N = sh.heads;
     std::vector<DecodeStackLayer> built;
     for (size_t i = 0; i < nb::len(layers); ++i) {
       const std::string at = "layers[" + std::to_string(i) + "]";
       const nb::dict d = nb::cast<nb::dict>(layers[i]);
       auto item = [&](const char* key) -> nb::object {
-        if (!d.contains(key)) fail(at, std::string("missing '") + key + "'");
-        nb::object value = d[key];
+        nb::object value = get(d, at.c_str(), key);
         held.push_back(value);
         return value;
       };
-      auto matrix = [&](const char* key, int64_t rows, int64_t cols) {
-        const Matrix m = nb::cast<const PyMatrix&>(item(key)).m;
+      auto check = [&](const Matrix& m, const std::string& key, int64_t rows, int64_t cols) {
         if (m.rows != rows || m.cols != cols)
           fail(at + "." + key, "shape [" + std::to_string(m.rows) + ", " + std::to_string(m.cols) + "] != [" +
                                    std::to_string(rows) + ", " + std::to_string(cols) + "]");
         return m;
+      };
+      auto matrix = [&](const char* key, int64_t rows, int64_t cols) {
+        return check(nb::cast<const PyMatrix&>(item(key)).m, key, rows, cols);
       };
       auto vector = [&](const char* key, int64_t n, DT dtype, bool optional) -> const void* {
         nb::object value = item(key);
@@ -780,62 +804,115 @@ struct PyDecodeStack {
         const Array a = nb::cast<Array>(value, false);
         check_nd(at + "." + key, a, 1);
         check_cpu_dtype(at + "." + key, a, {dtype});
-        if (static_cast<int64_t>(a.shape(0)) != n) fail(at + "." + key, "shape " + shape_str(a) + " != [" + std::to_string(n) + "]");
+        if (static_cast<int64_t>(a.shape(0)) != n)
+          fail(at + "." + key, "shape " + shape_str(a) + " != [" + std::to_string(n) + "]");
         return a.data();
       };
+      auto heads = [&](const char* key, int64_t rows, int64_t cols) {
+        const PyHeads& h = nb::cast<const PyHeads&>(item(key));
+        if (h.heads() != N) fail(at + "." + key, std::to_string(h.heads()) + " heads != " + std::to_string(N));
+        check(h.m[0], key, rows, cols);
+        return h.m;
+      };
       DecodeStackLayer l;
-      l.q = matrix("q", heads * head_dim, hidden);
-      l.k = matrix("k", kv_heads * head_dim, hidden);
-      l.v = matrix("v", kv_heads * head_dim, hidden);
-      l.o = matrix("o", hidden, heads * head_dim);
-      const Matrix qkv[3] = {l.q, l.k, l.v};
-      l.qkv_grouped = matmul_group_mismatch(qkv, 3) == nullptr;
-      l.q_norm = vector("q_norm", head_dim, compute, true);
-      l.k_norm = vector("k_norm", head_dim, compute, true);
-      if ((l.q_norm == nullptr) != (l.k_norm == nullptr)) fail(at, "q_norm and k_norm: both or neither");
-      l.post_norm = vector("post_norm", hidden, compute, false);
-      l.next_norm = vector("next_norm", hidden, compute, false);
-      l.gate = nb::cast<const PyMatrix&>(item("gate")).m;
-      const int64_t E = l.gate.rows;
-      if (l.gate.fmt != WFormat::F32 || l.gate.cols != hidden) fail(at + ".gate", "must be float32 [E, hidden]");
-      if (top_k < 1 || top_k > E || groups < 1 || E % groups || topk_groups < 1 || topk_groups > groups)
-        fail(at + ".gate", "routing of " + std::to_string(top_k) + " experts in " + std::to_string(topk_groups) + " of " +
-                               std::to_string(groups) + " groups does not fit " + std::to_string(E) + " experts");
-      l.route.k = static_cast<int>(top_k);
-      l.route.sigmoid = sigmoid;
-      l.route.bias = static_cast<const float*>(vector("bias", E, kF32, true));
-      l.route.groups = static_cast<int>(groups);
-      l.route.topk_groups = static_cast<int>(topk_groups);
-      l.route.normalize = normalize;
-      l.route.norm_eps = static_cast<float>(norm_eps);
-      l.route.scale = static_cast<float>(route_scale);
-      const MoELayer* experts = nb::cast<const PyMoE&>(item("experts")).layer.get();
-      if (experts->hidden() != hidden || experts->num_experts() != E)
-        fail(at + ".experts", std::to_string(experts->num_experts()) + " experts of hidden " +
-                                  std::to_string(experts->hidden()) + " for a router of " + std::to_string(E) +
-                                  " and hidden " + std::to_string(hidden));
-      l.experts = experts;
+      int64_t kv_heads, key_dim;  // the cache's
+      if (sh.mla) {
+        const int64_t P = sh.nope_dim, R = sh.rope_dim, L = sh.lora;
+        l.q_first = matrix("q_first", sh.q_lora ? sh.q_lora : N * (P + R), H);
+        if (sh.q_lora) {
+          l.q_b = matrix("q_b", N * (P + R), sh.q_lora);
+          l.q_a_norm = vector("q_a_norm", sh.q_lora, compute, false);
+        }
+        l.kv_a = matrix("kv_a", L + R, H);
+        l.kv_a_norm = vector("kv_a_norm", L, compute, false);
+        const Matrix first[2] = {l.q_first, l.kv_a};
+        l.first_grouped = matmul_group_mismatch(first, 2) == nullptr;
+        l.uk = heads("uk", L, P);
+        l.uv = heads("uv", sh.v_dim, L);
+        l.o = matrix("o", H, N * sh.v_dim);
+        kv_heads = 1;
+        key_dim = L + R;
+      } else {
+        const int64_t D = sh.head_dim;
+        l.q = matrix("q", N * D, H);
+        l.k = matrix("k", sh.kv_heads * D, H);
+        l.v = matrix("v", sh.kv_heads * D, H);
+        l.o = matrix("o", H, N * D);
+        const Matrix qkv[3] = {l.q, l.k, l.v};
+        l.qkv_grouped = matmul_group_mismatch(qkv, 3) == nullptr;
+        l.q_norm = vector("q_norm", D, compute, true);
+        l.k_norm = vector("k_norm", D, compute, true);
+        if ((l.q_norm == nullptr) != (l.k_norm == nullptr)) fail(at, "q_norm and k_norm: both or neither");
+        kv_heads = sh.kv_heads;
+        key_dim = D;
+      }
+      l.post_norm = vector("post_norm", H, compute, false);
+      l.next_norm = vector("next_norm", H, compute, false);
+      nb::object mlp = item("mlp");
+      if (!mlp.is_none()) {
+        const nb::tuple parts = nb::cast<nb::tuple>(mlp);
+        if (parts.size() != 3) fail(at + ".mlp", "must be (gate, up, down)");
+        const Matrix& g = nb::cast<const PyMatrix&>(parts[0]).m;
+        const int64_t I = g.rows;
+        l.mlp.gate = check(g, "mlp gate", I, H);
+        l.mlp.up = check(nb::cast<const PyMatrix&>(parts[1]).m, "mlp up", I, H);
+        l.mlp.down = check(nb::cast<const PyMatrix&>(parts[2]).m, "mlp down", H, I);
+        const Matrix gu[2] = {l.mlp.gate, l.mlp.up};
+        l.mlp.grouped = matmul_group_mismatch(gu, 2) == nullptr;
+      }
+      nb::object experts = item("experts");
+      if (experts.is_none()) {
+        if (mlp.is_none()) fail(at, "neither experts nor an MLP");
+      } else {
+        l.has_shared = !mlp.is_none();
+        l.gate = nb::cast<const PyMatrix&>(item("gate")).m;
+        const int64_t E = l.gate.rows;
+        if (l.gate.fmt != WFormat::F32 || l.gate.cols != H) fail(at + ".gate", "must be float32 [E, hidden]");
+        const int64_t top_k = nb::cast<int64_t>(get(routing, "routing", "top_k"));
+        const int64_t groups = nb::cast<int64_t>(get(routing, "routing", "groups"));
+        const int64_t topk_groups = nb::cast<int64_t>(get(routing, "routing", "topk_groups"));
+        if (top_k < 1 || top_k > E || groups < 1 || E % groups || topk_groups < 1 || topk_groups > groups)
+          fail(at + ".gate", "routing of " + std::to_string(top_k) + " experts in " + std::to_string(topk_groups) +
+                                 " of " + std::to_string(groups) + " groups does not fit " + std::to_string(E) +
+                                 " experts");
+        l.route.k = static_cast<int>(top_k);
+        l.route.sigmoid = nb::cast<bool>(get(routing, "routing", "sigmoid"));
+        l.route.bias = static_cast<const float*>(vector("bias", E, kF32, true));
+        l.route.groups = static_cast<int>(groups);
+        l.route.topk_groups = static_cast<int>(topk_groups);
+        l.route.normalize = nb::cast<bool>(get(routing, "routing", "normalize"));
+        l.route.norm_eps = static_cast<float>(nb::cast<double>(get(routing, "routing", "norm_eps")));
+        l.route.scale = static_cast<float>(nb::cast<double>(get(routing, "routing", "scale")));
+        const MoELayer* layer = nb::cast<const PyMoE&>(experts).layer.get();
+        if (layer->hidden() != H || layer->num_experts() != E)
+          fail(at + ".experts", std::to_string(layer->num_experts()) + " experts of hidden " +
+                                    std::to_string(layer->hidden()) + " for a router of " + std::to_string(E) +
+                                    " and hidden " + std::to_string(H));
+        l.experts = layer;
+      }
+      // the cache: GQA [2, NB, BS, Nk, D] (K, V); MLA [NB, BS, L+R] (the latents, read as V by their first L)
       const MutArray cache = nb::cast<MutArray>(item("cache"), false);
-      check_nd(at + ".cache", cache, 5);
-      if (cache.shape(0) != 2 || static_cast<int64_t>(cache.shape(3)) != kv_heads ||
-          static_cast<int64_t>(cache.shape(4)) != head_dim)
-        fail(at + ".cache", "expected [2, blocks, block_size, " + std::to_string(kv_heads) + ", " +
-                                std::to_string(head_dim) + "], got " + shape_str(cache));
-      const int64_t NB = cache.shape(1), BS = cache.shape(2);
+      check_nd(at + ".cache", cache, sh.mla ? 3 : 5);
+      const int64_t lead = sh.mla ? 0 : 1;
+      if ((!sh.mla && (cache.shape(0) != 2 || static_cast<int64_t>(cache.shape(3)) != kv_heads)) ||
+          static_cast<int64_t>(cache.shape(cache.ndim() - 1)) != key_dim)
+        fail(at + ".cache", "shape " + shape_str(cache) + " does not hold " + std::to_string(kv_heads) + " x " +
+                                std::to_string(key_dim) + " values a token");
+      const int64_t NB = cache.shape(lead), BS = cache.shape(lead + 1);
       if (i == 0) num_blocks = NB, block_size = BS;
       else if (NB != num_blocks || BS != block_size) fail(at + ".cache", "blocks differ from layers[0]'s");
       const AttnType type = attn_type(at + ".cache", cache.dtype());
       const size_t esize = type == AttnType::F32 ? 4 : 2;
       for (int half = 0; half < 2; ++half) {
         CacheView& c = half ? l.v_cache : l.k_cache;
-        c.data = static_cast<char*>(cache.data()) + half * cache.stride(0) * esize;
+        c.data = static_cast<char*>(cache.data()) + (sh.mla ? 0 : half * cache.stride(0) * esize);
         c.type = type;
-        c.stride_block = cache.stride(1);
-        c.stride_token = cache.stride(2);
-        c.stride_head = cache.stride(3);
+        c.stride_block = cache.stride(lead);
+        c.stride_token = cache.stride(lead + 1);
+        c.stride_head = sh.mla ? key_dim : cache.stride(3);
         c.block_size = BS;
       }
-      built.push_back(l);
+      built.push_back(std::move(l));
     }
     num_slots = num_blocks * block_size;
     stack = std::make_unique<DecodeStack>(sh, std::move(built));
@@ -859,16 +936,17 @@ struct PyDecodeStack {
     };
     rows("residual", residual, sh.hidden);
     rows("x", x, sh.hidden);
-    rows("cos", c, sh.head_dim / 2);
-    rows("sin", s, sh.head_dim / 2);
+    rows("cos", c, rotary_half);
+    rows("sin", s, rotary_half);
     check_nd("slots", slots, 1);
     check_cpu_dtype("slots", slots, {kI64});
-    if (static_cast<int64_t>(slots.shape(0)) != S) fail("slots", "shape " + shape_str(slots) + " != [" + std::to_string(S) + "]");
+    if (static_cast<int64_t>(slots.shape(0)) != S)
+      fail("slots", "shape " + shape_str(slots) + " != [" + std::to_string(S) + "]");
     const int64_t* slot = static_cast<const int64_t*>(slots.data());
     for (int64_t i = 0; i < S; ++i)
       if (slot[i] < 0 || slot[i] >= num_slots)
-        fail("slots", "slot " + std::to_string(slot[i]) + " of sequence " + std::to_string(i) + " is outside the cache's [0, " +
-                          std::to_string(num_slots) + ")");
+        fail("slots", "slot " + std::to_string(slot[i]) + " of sequence " + std::to_string(i) +
+                          " is outside the cache's [0, " + std::to_string(num_slots) + ")");
     check_nd("block_tables", bt, 2);
     check_nd("seq_lens", sl, 1);
     const std::vector<int64_t> lens = checked_seq_lens(bt, sl, S, num_blocks, block_size);
@@ -945,6 +1023,14 @@ NB_MODULE(_native, mod) {
     return shard_copy_bytes(experts, intermediate, global_numa_topology());
   }, "gate"_a, "up"_a, "down"_a, "intermediate"_a,
   "Per NUMA node, the bytes of its copies of these experts' shards (empty: the topology reads them in place).");
+  mod.def("silu_mul", [](nb::ndarray<const float, nb::c_contig, nb::device::cpu> gate,
+                         nb::ndarray<const float, nb::c_contig, nb::device::cpu> up,
+                         nb::ndarray<float, nb::c_contig, nb::device::cpu> out) {
+    if (gate.size() != up.size() || out.size() != gate.size())
+      fail("silu_mul", "gate, up and out must have as many values (" + std::to_string(gate.size()) + ", " +
+                           std::to_string(up.size()) + ", " + std::to_string(out.size()) + ")");
+    active_kernels()->silu_mul(gate.data(), up.data(), out.data(), static_cast<int64_t>(gate.size()));
+  }, "gate"_a, "up"_a, "out"_a, "out = silu(gate) * up over contiguous float32 arrays (the active ISA's kernel).");
   mod.def("round_to_half", [](nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> values) {
     const size_t n = values.shape(0);
     auto* bits = new uint16_t[n];
@@ -954,13 +1040,9 @@ NB_MODULE(_native, mod) {
   }, "values"_a, "float32 values -> float16 bit patterns (uint16), rounded as the decode stack writes a float16 KV "
      "cache.");
   nb::class_<PyDecodeStack>(mod, "DecodeStack",
-                             "A decode step's grouped-query-attention MoE layers in one call, each part the kernel "
-                             "call the Python decoder makes")
-      .def(nb::init<int64_t, int64_t, int64_t, int64_t, bool, double, double, int64_t, bool, int64_t, bool, int64_t,
-                    int64_t, bool, double, double, nb::list>(),
-           "hidden"_a, "heads"_a, "kv_heads"_a, "head_dim"_a, "bf16"_a, "eps"_a, "scale"_a, "window"_a,
-           "interleaved"_a, "top_k"_a, "sigmoid"_a, "groups"_a, "topk_groups"_a, "normalize"_a, "norm_eps"_a,
-           "route_scale"_a, "layers"_a)
+                             "A decode step's layers (GQA or MLA attention, MoE or dense MLP) in one call, each part "
+                             "the kernel call the Python decoder makes")
+      .def(nb::init<nb::dict, nb::dict, nb::list>(), "shape"_a, "routing"_a, "layers"_a)
       .def_prop_ro("num_layers", [](const PyDecodeStack& p) { return p.stack->layers().size(); })
       .def("run", &PyDecodeStack::run, "residual"_a, "x"_a, "cos"_a, "sin"_a, "slots"_a, "block_tables"_a,
            "seq_lens"_a,

@@ -1,12 +1,13 @@
-// A decode step's decoder layers in one call: for each layer of a grouped-query-attention MoE model (Qwen3-MoE,
-// Mixtral), q / k / v, RoPE (with Qwen3's q / k norms), the cache write, paged decode attention, o, the residual add
-// with the post-attention norm, the router's gate and choice, the routed experts, and the residual add with the next
-// norm. Each part is the same kernel call the Python decoder makes, in the same order and dtypes, so the results are
-// bit for bit the same; what goes is the Python around them (about 0.3 ms a layer on 2 vCPUs, several times its warm
-// cost because the weights streamed since leave the interpreter's code and data cold).
+// A decode step's decoder layers in one call: per layer the attention (grouped-query: Qwen3-MoE, Mixtral; or
+// multi-head latent: DeepSeek-V3, Kimi-K2), the residual add with the post-attention norm, the MLP (routed experts
+// with the router's gate and choice, and shared experts where the model has them; or a dense gated MLP), and the
+// residual add with the next norm. Each part is the same kernel call the Python decoder makes, in the same order and
+// dtypes, so the results are bit for bit the same; what goes is the Python around them (about 0.3 ms a layer on
+// 2 vCPUs, several times its warm cost because the weights streamed since leave the interpreter's code and data cold).
 //
-// Legend: S sequences (one new token each), H hidden, N query heads, Nk KV heads, D head dim, E experts, K top-k,
-// NB cache blocks, BS block size.
+// Legend: S sequences (one new token each), H hidden, N query heads, Nk KV heads, D head dim (GQA), P / R / V the
+// no-rope, rope and value dims of an MLA head, L the latent (kv_lora_rank), Lq the query's latent (q_lora_rank),
+// I an MLP's intermediate, E experts, K top-k, NB cache blocks, BS block size.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +24,10 @@ namespace hm {
 
 // What every layer shares.
 struct DecodeStackShape {
-  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t hidden = 0, heads = 0;
+  bool mla = false;
+  int64_t kv_heads = 0, head_dim = 0;  // GQA
+  int64_t nope_dim = 0, rope_dim = 0, v_dim = 0, lora = 0, q_lora = 0;  // MLA (q_lora 0: no query latent)
   bool bf16 = false;  // the compute dtype (residual stream, activations): bfloat16, else float32
   float eps = 1e-6f;  // RMSNorm's
   float scale = 1.0f;  // attention's softmax scale
@@ -38,17 +42,36 @@ struct CacheView {
   int64_t stride_block = 0, stride_token = 0, stride_head = 0, block_size = 0;
 };
 
+// down(silu(gate x) * up x): gate and up into float32 (one run_matmul_group where they share their activations),
+// silu(g) * u by the kernel table's silu_mul, rounded to the compute dtype, then down.
+struct GatedMlpWeights {
+  Matrix gate, up, down;  // [I, H], [I, H], [H, I]
+  bool grouped = false;
+};
+
 // One layer's weights and KV cache (memory owned by the caller).
 struct DecodeStackLayer {
-  Matrix q, k, v, o;  // [N*D, H], [Nk*D, H], [Nk*D, H], [H, N*D]
+  // GQA
+  Matrix q, k, v;  // [N*D, H], [Nk*D, H], [Nk*D, H]
   bool qkv_grouped = false;  // q / k / v share one run_matmul_group (matmul_group_mismatch found nothing)
   const void* q_norm = nullptr;  // [D] in the compute dtype, or null (no q / k norms)
   const void* k_norm = nullptr;
-  CacheView k_cache, v_cache;  // [NB, BS, Nk, D] each
+  // MLA: q = q_proj x, or q_b(q_a_norm(q_a x)) (q_lora); [latent, k_pe] = kv_a x; the absorbed products per head
+  Matrix q_first, q_b, kv_a;  // [N*(P+R), H] or [Lq, H]; [N*(P+R), Lq]; [L+R, H]
+  bool first_grouped = false;  // q_first and kv_a in one run_matmul_group
+  const void* q_a_norm = nullptr;  // [Lq]
+  const void* kv_a_norm = nullptr;  // [L]
+  std::vector<Matrix> uk, uv;  // N each: W_uk^T [L, P], W_uv [V, L]
+  Matrix o;  // [H, N*D] or [H, N*V]
+  CacheView k_cache, v_cache;  // GQA: [NB, BS, Nk, D] each; MLA: the latents [NB, BS, 1, L+R], V their first L
   const void* post_norm = nullptr;  // [H]
-  Matrix gate;  // the router's [E, H], float32
-  RouteArgs route;  // the router's settings (k, scores, bias, groups, normalisation, scale); arrays set per call
+  // the MLP: routed experts (experts != null: the router's float32 gate [E, H], its settings, the shared experts'
+  // weights when has_shared), else the dense gated MLP
   const MoELayer* experts = nullptr;
+  Matrix gate;
+  RouteArgs route;  // k, scores, bias, groups, normalisation, scale; arrays set per call
+  bool has_shared = false;
+  GatedMlpWeights mlp;  // the shared experts, or the dense MLP
   const void* next_norm = nullptr;  // [H]: the next layer's input norm, or the final norm after the last layer
 };
 
@@ -57,7 +80,7 @@ struct DecodeStackStep {
   int64_t seqs = 0;
   void* residual = nullptr;  // [S, H] compute dtype: the residual stream, updated in place
   void* x = nullptr;  // [S, H] compute dtype: the first layer's normed input in, the final norm's output out
-  const void* cos = nullptr;  // [S, D/2] compute dtype
+  const void* cos = nullptr;  // [S, rotary dims / 2] compute dtype
   const void* sin = nullptr;
   const int64_t* slots = nullptr;  // [S]: each new token's cache slot
   const void* block_tables = nullptr;  // [S, max_blocks] at block_table_stride, int32 or int64

@@ -1,7 +1,7 @@
 """The decode stack (models/decode_stack.py): a decode step's layers in one native call give bit for bit the Python
-decoder's logits and KV cache, in every weight format, compute dtype and cache dtype it takes; it stands aside where
-the layers must run in Python (observers, many tokens, prefill chunks, unsupported models), and its native call
-checks its arguments."""
+decoder's logits and KV cache, GQA and MLA attention, MoE layers with and without shared experts and dense layers, in
+every weight format, compute dtype and cache dtype it takes; it stands aside where the layers must run in Python
+(observers, many tokens, prefill chunks, unsupported models), and its native call checks its arguments."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridmoe.checkpoint.default_model import resolve_model_dir
 from hybridmoe.checkpoint.fp8 import write_fp8_checkpoint
 from hybridmoe.cli import main
 from hybridmoe.kernels import _native
@@ -68,12 +69,18 @@ def _same_as_python(model, kv_dtype):
 
 @pytest.mark.parametrize("dtype,kv_dtype", [("float32", torch.float32), ("float32", torch.float16),
                                             ("bfloat16", torch.bfloat16), ("bfloat16", torch.float16)])
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
-def test_float_models_match_the_python_decoder(tiny_model_dir, model_type, dtype, kv_dtype):
-    overrides = {"sliding_window": 9} if model_type == "mixtral" else {}
+@pytest.mark.parametrize("model_type,overrides", [("qwen3_moe", {}), ("qwen3_moe", {"mlp_only_layers": [0]}),
+                                                  ("mixtral", {"sliding_window": 9}), ("deepseek_v3", {}),
+                                                  ("deepseek_v3", {"q_lora_rank": 24})])
+def test_float_models_match_the_python_decoder(tiny_model_dir, model_type, overrides, dtype, kv_dtype):
     model = load_model(tiny_model_dir(model_type, **overrides), dtype)
     assert decode_stack.unsupported(model) is None
     _same_as_python(model, kv_dtype)
+
+
+def test_the_demo_models_match_the_python_decoder(each_isa):
+    for name in ("demo", "demo-gqa"):
+        _same_as_python(load_model(resolve_model_dir(name), "bfloat16"), torch.bfloat16)
 
 
 @pytest.mark.parametrize("fmt,scope", [("int4", "all"), ("int8", "all"), ("int4", "experts")])
@@ -96,7 +103,7 @@ def test_fp8_models_match_the_python_decoder(tiny_model_dir, tmp_path):
 def test_the_stack_stands_aside_where_layers_must_run_in_python(tiny_model_dir):
     model = load_model(tiny_model_dir("qwen3_moe"), "float32")
     prompts, steps = _inputs(model.config.vocab_size, lengths=(5,) * 8)
-    assert _decode(model, torch.float32, True, prompts, steps[:2])[2] == 0  # float weights: torch's matmul from 8 tokens
+    assert _decode(model, torch.float32, True, prompts, steps[:2])[2] == 0  # float weights: torch's matmul from 8
     seen = []
     remove = model.add_routing_observer(lambda layer, ids: seen.append(layer))
     assert _decode(model, torch.float32, True, prompts[:2], [s[:2] for s in steps[:2]])[2] == 0
@@ -105,11 +112,11 @@ def test_the_stack_stands_aside_where_layers_must_run_in_python(tiny_model_dir):
     assert _decode(model, torch.float32, True, prompts[:2], [s[:2] for s in steps[:2]])[2] == 2
 
 
-@pytest.mark.parametrize("model_type,why", [("deepseek_v3", "grouped-query attention only"),
-                                            ("qwen3_moe", "layer 0: not a MoE block")])
-def test_models_it_does_not_take_say_why(tiny_model_dir, model_type, why):
-    overrides = {"mlp_only_layers": [0]} if model_type == "qwen3_moe" else {}
-    model = load_model(tiny_model_dir(model_type, **overrides), "float32")
+@pytest.mark.parametrize("model_type,overrides,backend,why", [
+    ("qwen3_moe", {"attention_bias": True}, "cpu", "layer 0: an attention projection with a bias"),
+    ("qwen3_moe", {}, "torch", "layer 0: a MoE block off the CPU expert kernels")])
+def test_models_it_does_not_take_say_why(tiny_model_dir, model_type, overrides, backend, why):
+    model = load_model(tiny_model_dir(model_type, **overrides), "float32", backend)
     assert why in decode_stack.unsupported(model)
     prompts, steps = _inputs(model.config.vocab_size)
     assert _decode(model, torch.float32, True, prompts, steps[:2])[2] == 0

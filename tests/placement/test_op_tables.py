@@ -175,12 +175,12 @@ def traced_matmuls(model, queries: int, context: int) -> tuple[list, list, int]:
     project, kernel, per_head_kernel = Linear.__call__, paged_attention.decode_attention, attention_mla.matmul_heads
     grouped = LinearGroup.__call__
 
-    def separately(self, x):  # a group's members one by one, each recorded (the same shapes and outputs)
-        return [m(x) for m in self.members]
+    def separately(self, x, out_dtype=None):  # a group's members one by one, each recorded (the same outputs)
+        return [m(x, out_dtype) for m in self.members]
 
-    def recording(self, x):
+    def recording(self, x, out_dtype=None):
         linears.append((self.rows, self.cols, x.numel() // x.shape[-1]))
-        return project(self, x)
+        return project(self, x, out_dtype)
 
     def counted_kernel(*args, **kwargs):
         attention[0] += 1

@@ -172,6 +172,14 @@ def matmul(w: _native.Matrix, x: torch.Tensor, path: str = "auto",
     return out
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up on the kernels (the experts' own activation): gate, up [..., I] float32, contiguous -> a new
+    float32 tensor of their shape."""
+    out = torch.empty_like(gate)
+    _native.silu_mul(_dlpack(gate), _dlpack(up), _dlpack(out))
+    return out
+
+
 class MatrixHeads:
     """One weight matrix W_n [M, K] per head n < N, all of one format and shape, for `matmul_heads` (MLA's
     absorbed kv_b_proj: W_uk^T [L, P] and W_uv [V, L] per head). The kernel matrices are views of the caller's
@@ -180,6 +188,11 @@ class MatrixHeads:
     def __init__(self, matrices: list[_native.Matrix]):
         self._native = _native.MatrixHeads(matrices)
         self.heads, self.rows, self.cols = self._native.heads, self._native.rows, self._native.cols
+
+    @property
+    def native(self) -> _native.MatrixHeads:
+        """The matrices as the kernels hold them (what models.decode_stack passes on to its native stack)."""
+        return self._native
 
     @classmethod
     def dense(cls, w: torch.Tensor, name: str = "weight") -> "MatrixHeads":

@@ -62,22 +62,23 @@ class Linear:
     def nbytes(self) -> int:
         return self.data.nbytes + (self.scales.nbytes if self.scales is not None else 0)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N] in x's dtype."""
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N] in out_dtype (default x's dtype; float32 from the kernels is their own result)."""
         if x.dim() != 2:
-            return self(x.reshape(-1, self.cols)).view(*x.shape[:-1], self.rows)
+            return self(x.reshape(-1, self.cols), out_dtype).view(*x.shape[:-1], self.rows)
         weight = self._float_weight
         if weight is not None and x.shape[0] >= FLOAT_KERNEL_MAX_TOKENS:
             if weight.dtype == x.dtype:
-                return F.linear(x, weight, self.bias)
+                return _as(F.linear(x, weight, self.bias), out_dtype)
             if x.shape[0] >= CONVERTED_KERNEL_MAX_TOKENS:
-                return _linear_converting(x, weight, self.bias)
+                return _as(_linear_converting(x, weight, self.bias), out_dtype)
         if self.bias is None and (x.dtype == torch.bfloat16 or x.dtype == torch.float32):
-            return matmul(self.matrix, x, out_dtype=x.dtype)  # [T, N]; bf16 in and out without torch conversions
+            # [T, N]; bf16 in and out without torch conversions
+            return matmul(self.matrix, x, out_dtype=out_dtype or x.dtype)
         y = matmul(self.matrix, x)  # [T, N] float32; a decode step runs this for every projection: lean
         if self.bias is not None:
             y += self.bias
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y.to(out_dtype or x.dtype)
 
 
 class LinearGroup:
@@ -89,7 +90,7 @@ class LinearGroup:
         self.members = members
         self._matrices = [m.matrix for m in members]
         # tokens below which every member takes the kernels, per input dtype (see Linear.__call__)
-        self._kernel_tokens = {dtype: min(_kernel_tokens(m, dtype) for m in members)
+        self._kernel_tokens = {dtype: min(kernel_tokens(m, dtype) for m in members)
                                for dtype in (torch.float32, torch.bfloat16)}
 
     @classmethod
@@ -102,11 +103,14 @@ class LinearGroup:
             return None
         return cls(list(members))
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x [T, K] -> one [T, N_i] a member, in x's dtype."""
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """x [T, K] -> one [T, N_i] a member, in out_dtype (default x's dtype)."""
         if x.shape[0] >= self._kernel_tokens.get(x.dtype, 0) or not x.is_contiguous():
-            return [m(x) for m in self.members]
-        outs = [x.new_empty((x.shape[0], m.rows)) for m in self.members]
+            return [m(x, out_dtype) for m in self.members]
+        if out_dtype is None or out_dtype == x.dtype:
+            outs = [x.new_empty((x.shape[0], m.rows)) for m in self.members]
+        else:
+            outs = [torch.empty((x.shape[0], m.rows), dtype=out_dtype) for m in self.members]
         if x.shape[0]:
             _native.matmul_group(self._matrices, to_dlpack(x), [to_dlpack(o) for o in outs])
         return outs
@@ -128,12 +132,16 @@ class SharedInput:
         return self._group(x) if self._group is not None else [m(x) for m in members]
 
 
-def _kernel_tokens(linear: Linear, x_dtype: torch.dtype) -> int | float:
+def kernel_tokens(linear: Linear, x_dtype: torch.dtype) -> int | float:
     """Up to how many tokens (exclusive) `linear` computes x of x_dtype on the kernels."""
     weight = linear.weight
     if weight is None:
         return math.inf
     return FLOAT_KERNEL_MAX_TOKENS if weight.dtype == x_dtype else CONVERTED_KERNEL_MAX_TOKENS
+
+
+def _as(y: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return y if dtype is None else y.to(dtype)
 
 
 def _linear_converting(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

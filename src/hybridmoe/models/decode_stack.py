@@ -1,7 +1,7 @@
 """A decode step's decoder layers in one C++ call (`_native.DecodeStack`, csrc/decode_stack.h).
 
-A decode step of a grouped-query-attention MoE model (Qwen3-MoE, Mixtral) makes about a dozen kernel calls a layer:
-q / k / v, RoPE, the cache write, paged attention, o, two residual norms, the router's gate and choice, the experts.
+A decode step makes about a dozen kernel calls a layer: the attention's projections, RoPE, the cache write, paged
+attention, o, two residual norms, the router's gate and choice, the experts (and shared experts) or a dense MLP.
 Each costs tens of microseconds of Python around it, several times its warm cost in a real step, where the weights
 streamed since the last call leave the interpreter's code and data cold. The stack makes the same kernel calls in the
 same order and dtypes from C++, so its output is bit for bit the Python decoder's.
@@ -9,9 +9,11 @@ same order and dtypes from C++, so its output is bit for bit the Python decoder'
 It runs a forward when every sequence decodes one token with nothing that needs the layers in Python: no observers
 (layer, attention, routing), no dropped keys, no stream-loading prefill backend for this many tokens, the paged decode
 kernel on (`paged_attention.DECODE_KERNEL`), and fewer tokens than any projection's kernel threshold (from there on
-float weights go to torch's matmul: `FLOAT_KERNEL_MAX_TOKENS` for the router's float32 gate). A model qualifies when every layer is GQA attention and a MoE block without
-shared experts on the CPU expert kernels, every projection a plain `Linear` without bias, in float32 or bfloat16,
-with a KV cache of float32, bfloat16 or float16 on the CPU. `unsupported(model)` says why one does not.
+float weights go to torch's matmul: `FLOAT_KERNEL_MAX_TOKENS` for the router's float32 gate). A model qualifies when
+every layer is grouped-query attention (Qwen3-MoE, Mixtral) or multi-head latent attention with its absorbed products
+on the kernels (DeepSeek-V3, Kimi-K2), and a MoE block on the CPU expert kernels (with or without shared experts) or a
+dense gated MLP, every projection a plain `Linear` without bias, in float32 or bfloat16, with a KV cache of float32,
+bfloat16 or float16 on the CPU. `unsupported(model)` says why one does not.
 
 Legend: S sequences (= tokens), H hidden.
 """
@@ -26,13 +28,15 @@ from torch.utils.dlpack import to_dlpack
 from hybridmoe.kernels import _native
 from hybridmoe.layers import paged_attention
 from hybridmoe.layers.attention_gqa import GQAttention
+from hybridmoe.layers.attention_mla import MLAttention
 from hybridmoe.layers.linear import FLOAT_KERNEL_MAX_TOKENS, Linear
+from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.layers.moe.block import MoEBlock
 from hybridmoe.layers.moe.cpu_backend import CpuExpertBackend
 from hybridmoe.layers.paged_attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from hybridmoe.models.decoder import MoEDecoderModel
+    from hybridmoe.models.decoder import DecoderLayer, MoEDecoderModel
 
 # False: every decode step through the Python decoder (A/B runs, benchmarks of the per-call kernels).
 ENABLED = True
@@ -48,23 +52,54 @@ def unsupported(model: MoEDecoderModel) -> str | None:
     if not model.layers:
         return "no layers"
     for i, layer in enumerate(model.layers):
-        attention, mlp = layer.attention, layer.mlp
-        if not isinstance(attention, GQAttention):
-            return f"layer {i}: {type(attention).__name__} (grouped-query attention only)"
-        if model.config.rope.rotary_dim != model.config.attention.head_dim:
-            return "partial rotary dims"
-        if not isinstance(mlp, MoEBlock) or mlp.shared is not None or type(mlp.experts) is not CpuExpertBackend:
-            return f"layer {i}: not a MoE block of CPU experts without shared experts"
-        w = attention.w
-        if any(type(p) is not Linear or p.bias is not None for p in (w.q_proj, w.k_proj, w.v_proj, w.o_proj)):
-            return f"layer {i}: a projection with a bias or off the kernels"
-        if (w.q_norm is None) != (w.k_norm is None):
-            return f"layer {i}: a q norm without a k norm"
-        norms = [layer.input_norm, layer.post_attention_norm] + [n for n in (w.q_norm, w.k_norm) if n is not None]
-        if any(n.dtype != model.dtype or not n.is_cpu for n in norms):
+        why = _attention_unsupported(model, layer) or _mlp_unsupported(layer.mlp)
+        if why:
+            return f"layer {i}: {why}"
+        if any(n is not None and (n.dtype != model.dtype or not n.is_cpu)
+               for n in (layer.input_norm, layer.post_attention_norm)):
             return f"layer {i}: norm weights not in the compute dtype on the CPU"
     if model.norm.dtype != model.dtype:
         return "final norm weight not in the compute dtype"
+    return None
+
+
+def _plain(*projections) -> bool:
+    return all(type(p) is Linear and p.bias is None for p in projections)
+
+
+def _attention_unsupported(model: MoEDecoderModel, layer: DecoderLayer) -> str | None:
+    attention, dtype, att = layer.attention, model.dtype, model.config.attention
+    if isinstance(attention, GQAttention):
+        w = attention.w
+        if not _plain(w.q_proj, w.k_proj, w.v_proj, w.o_proj):
+            return "an attention projection with a bias or off the kernels"
+        if (w.q_norm is None) != (w.k_norm is None):
+            return "a q norm without a k norm"
+        if model.config.rope.rotary_dim != att.head_dim:
+            return "partial rotary dims"
+        norms = [n for n in (w.q_norm, w.k_norm) if n is not None]
+    elif isinstance(attention, MLAttention):
+        w = attention.w
+        first = w.q_proj if w.q_proj is not None else w.q_a_proj
+        if not _plain(first, w.kv_a_proj, w.o_proj, *([w.q_b_proj] if w.q_proj is None else [])):
+            return "an attention projection with a bias or off the kernels"
+        if attention.absorption.uk is None or attention.absorption.uv is None:
+            return "MLA's absorbed products off the kernels"
+        norms = [n for n in (w.kv_a_norm, w.q_a_norm) if n is not None]
+    else:
+        return f"{type(attention).__name__} (grouped-query or multi-head latent attention only)"
+    if any(n.dtype != dtype or not n.is_cpu for n in norms):
+        return "attention norm weights not in the compute dtype on the CPU"
+    return None
+
+
+def _mlp_unsupported(mlp) -> str | None:
+    if isinstance(mlp, GatedMLP):
+        return None if _plain(mlp.gate_proj, mlp.up_proj, mlp.down_proj) else "a dense MLP off the kernels"
+    if not isinstance(mlp, MoEBlock) or type(mlp.experts) is not CpuExpertBackend:
+        return "a MoE block off the CPU expert kernels"
+    if mlp.shared is not None and _mlp_unsupported(mlp.shared):
+        return "shared experts off the kernels"
     return None
 
 
@@ -76,25 +111,25 @@ class DecodeStack:
         self.caches = tuple(kv_caches)
         self.rope = model.layers[0].attention.rope
         # the attention observers' and routing observers' lists, and the MoE blocks (stream-loading prefill's backend)
-        self._observer_lists = [lst for layer in model.layers
-                                for lst in (layer.attention.observers, layer.mlp.routing_observers)]
-        self._blocks = [layer.mlp for layer in model.layers]
+        self._observer_lists = [layer.attention.observers for layer in model.layers]
+        self._blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
+        self._observer_lists += [block.routing_observers for block in self._blocks]
+        mla = att.kind == "mla"
+        shape = dict(hidden=cfg.hidden_size, heads=att.num_heads, mla=mla, bf16=model.dtype == torch.bfloat16,
+                     eps=cfg.rms_norm_eps, scale=att.softmax_scale, window=att.sliding_window or 0,
+                     interleaved=cfg.rope.interleaved)
+        if mla:
+            shape.update(nope_dim=att.qk_nope_head_dim, rope_dim=att.qk_rope_head_dim, v_dim=att.v_head_dim,
+                         lora=att.kv_lora_rank, q_lora=att.q_lora_rank or 0)
+        else:
+            shape.update(kv_heads=att.num_kv_heads, head_dim=att.head_dim)
+        routing = next((dict(block.router.kernel_args) for block in self._blocks), {})  # the bias is per layer
+        routing = {("top_k" if key == "k" else key): value for key, value in routing.items() if key != "bias"}
         next_norms = [layer.input_norm for layer in model.layers[1:]] + [model.norm]
-        args = model.layers[0].mlp.router.kernel_args  # the same config for every layer; the bias is per layer
-        layers = []
-        for layer, cache, next_norm in zip(model.layers, kv_caches, next_norms):
-            w, mlp = layer.attention.w, layer.mlp
-            layers.append({
-                "q": w.q_proj.matrix, "k": w.k_proj.matrix, "v": w.v_proj.matrix, "o": w.o_proj.matrix,
-                "q_norm": w.q_norm, "k_norm": w.k_norm, "cache": cache, "post_norm": layer.post_attention_norm,
-                "gate": mlp.router.gate.matrix, "bias": mlp.router.kernel_args["bias"],
-                "experts": mlp.experts.moe.native, "next_norm": next_norm,
-            })
-        self._native = _native.DecodeStack(
-            cfg.hidden_size, att.num_heads, att.num_kv_heads, att.head_dim, model.dtype == torch.bfloat16,
-            cfg.rms_norm_eps, att.softmax_scale, att.sliding_window or 0, cfg.rope.interleaved, args["k"],
-            args["sigmoid"], args["groups"], args["topk_groups"], args["normalize"], args["norm_eps"], args["scale"],
-            layers)
+        layers = [dict(_attention_entry(layer.attention), **_mlp_entry(layer.mlp), cache=cache,
+                       post_norm=layer.post_attention_norm, next_norm=next_norm)
+                  for layer, cache, next_norm in zip(model.layers, kv_caches, next_norms)]
+        self._native = _native.DecodeStack(shape, routing, layers)
 
     def applies(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """Whether this step's layers run as the stack (see the module's docstring)."""
@@ -108,6 +143,28 @@ class DecodeStack:
         self._native.run(to_dlpack(residual), to_dlpack(x), to_dlpack(cos), to_dlpack(sin),
                          to_dlpack(meta.slot_mapping), to_dlpack(meta.decode_block_tables),
                          to_dlpack(meta.decode_seq_lens))
+
+
+def _attention_entry(attention) -> dict:
+    """The native layer's attention items."""
+    w = attention.w
+    if isinstance(attention, GQAttention):
+        return dict(q=w.q_proj.matrix, k=w.k_proj.matrix, v=w.v_proj.matrix, o=w.o_proj.matrix, q_norm=w.q_norm,
+                    k_norm=w.k_norm)
+    lora = w.q_proj is None
+    return dict(q_first=(w.q_a_proj if lora else w.q_proj).matrix, q_b=w.q_b_proj.matrix if lora else None,
+                q_a_norm=w.q_a_norm if lora else None, kv_a=w.kv_a_proj.matrix, kv_a_norm=w.kv_a_norm,
+                uk=attention.absorption.uk.native, uv=attention.absorption.uv.native, o=w.o_proj.matrix)
+
+
+def _mlp_entry(mlp) -> dict:
+    """The native layer's MLP items: the routed experts with their router, and the shared experts or dense MLP."""
+    dense = mlp if isinstance(mlp, GatedMLP) else mlp.shared
+    entry = dict(mlp=None if dense is None else (dense.gate_proj.matrix, dense.up_proj.matrix,
+                                                 dense.down_proj.matrix), experts=None)
+    if isinstance(mlp, MoEBlock):
+        entry.update(experts=mlp.experts.moe.native, gate=mlp.router.gate.matrix, bias=mlp.router.kernel_args["bias"])
+    return entry
 
 
 def decode_stack_for(model: MoEDecoderModel, meta: AttentionMetadata, num_tokens: int,
@@ -129,5 +186,5 @@ def decode_stack_for(model: MoEDecoderModel, meta: AttentionMetadata, num_tokens
 
 
 def _caches_fit(kv_caches: list[torch.Tensor]) -> bool:
-    """Whether the stack reads these caches: [2, NB, BS, Nk, D] each on the CPU, one of its dtypes, rows contiguous."""
-    return all(c.is_cpu and c.dim() == 5 and c.dtype in _CACHE_DTYPES and c.stride(-1) == 1 for c in kv_caches)
+    """Whether the stack reads these caches: on the CPU, one of its dtypes, rows contiguous."""
+    return all(c.is_cpu and c.dtype in _CACHE_DTYPES and c.stride(-1) == 1 for c in kv_caches)
