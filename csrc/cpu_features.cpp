@@ -53,6 +53,7 @@ CpuFeatures detect() {
     f.avx512bw = b & (1u << 30);
     f.avx512vl = b & (1u << 31);
     f.avx512vbmi = c & (1u << 1);
+    f.gfni = c & (1u << 8);
     f.avx512vnni = c & (1u << 11);
     f.amx_bf16 = d & (1u << 22);
     f.amx_tile = d & (1u << 24);
@@ -92,7 +93,8 @@ std::vector<std::pair<std::string, bool>> cpu_feature_list() {
   return {{"avx", f.avx && f.os_avx}, {"avx2", f.avx2}, {"fma", f.fma}, {"f16c", f.f16c},
           {"avx512f", f.avx512f && f.os_avx512}, {"avx512bw", f.avx512bw}, {"avx512vl", f.avx512vl},
           {"avx512dq", f.avx512dq}, {"avx512_vnni", f.avx512vnni}, {"avx512_bf16", f.avx512bf16},
-          {"avx512_vbmi", f.avx512vbmi}, {"amx_tile", f.amx_tile && f.os_amx}, {"amx_bf16", f.amx_bf16},
+          {"avx512_vbmi", f.avx512vbmi}, {"gfni", f.gfni}, {"amx_tile", f.amx_tile && f.os_amx},
+          {"amx_bf16", f.amx_bf16},
           {"amd", f.amd}};
 }
 
@@ -138,6 +140,7 @@ std::string isa_unavailable_reason(const std::string& name) {
     if (name == "amx") {
       need(f.amx_tile && f.os_amx, "amx_tile (with OS support)");
       need(f.amx_bf16, "amx_bf16");
+      need(f.gfni, "gfni");  // every AMX CPU has it; the table's int4 GEMV uses it
     }
   } else {
     return "unknown ISA '" + name + "' (known: amx, avx512bf16, avx512, avx2, avx2bf16, scalar)";

@@ -16,6 +16,7 @@ struct CpuFeatures {
   bool avx = false, avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512vnni = false, avx512bf16 = false, avx512vbmi = false;
+  bool gfni = false;
   bool amx_tile = false, amx_bf16 = false;
   bool os_avx = false, os_avx512 = false, os_amx = false;  // the OS saves ymm / zmm / tile state
   bool amd = false;                         // vendor AuthenticAMD

@@ -74,6 +74,7 @@ struct Avx512 {
 
   static __m256i dot_u4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
   static constexpr bool kPairSums16 = false;  // vpdpbusd sums into int32 in one instruction
+  static constexpr bool kGfni = false;  // vgf2p8affineqb (the amx table): an int4 byte's high nibble in one instruction
   // vpdpbusd wants unsigned x signed: weights + 128 (xor 0x80), corrected by -128 * sum(s) afterwards.
   static constexpr int kI8Offset = 128;
   static __m256i dot_i8(__m256i acc, __m256i w, __m256i s) {
@@ -178,6 +179,7 @@ struct Avx512Bf16 : Avx512 {
 struct Avx512Amx : Avx512Bf16 {
   static constexpr bool kBf16Dot = false;
   static constexpr bool kAmx = true;
+  static constexpr bool kGfni = true;  // compiled with -mgfni; the ISA needs the CPU's gfni
 };
 #endif
 
