@@ -421,14 +421,14 @@ HM_TILE_INLINE void lane_step_weights(const uint8_t* p, __m512i& lo, __m512i& hi
 // acc[i][j] += one step of R rows (kWeightBytes at w[i] + wo, their scales at s[i] + so) times MT tokens (kActBytes
 // int8 activations at xq[j] + qo, 32 table floats at t[j] + to). Offsets from the tile's own pointers rather than
 // per-step pointer tables: GCC 12 built those in vectors, extracted each pointer and spilled them every step.
-template <WFormat F, int G, ScaleType ST, int R, int MT>
+template <WFormat F, int G, ScaleType ST, int R, int MT, bool Gfni>
 HM_TILE_INLINE void int_lane_step(const uint8_t* const* w, I64 wo, const uint16_t* const* s, I64 so,
                                   const int8_t* const* xq, I64 qo, const float* const* t, I64 to,
                                   __m512 (&acc)[R][MT]) {
   __m512i lo[R], hi[R];  // elements 0-15 and 16-31 of the step's four chunks, unsigned
   __m512 ws[R];
   HM_UNROLL for (int i = 0; i < R; ++i) {
-    lane_step_weights<F>(w[i] + wo, lo[i], hi[i]);
+    lane_step_weights<F, Gfni>(w[i] + wo, lo[i], hi[i]);
     ws[i] = lane_weight_scales<F, G, ST>(s[i] + so);
   }
   HM_UNROLL for (int j = 0; j < MT; ++j) {
@@ -460,7 +460,7 @@ HM_TILE_INLINE void int_lane_tile(const uint8_t* const* rowp, const uint16_t* co
   }
   for (I64 st = s0; st < full; ++st) {
     if (next) prefetch_next<P, R, S::kWeightBytes>(next, 0, st * S::kWeightBytes);
-    int_lane_step<F, G, ST, R, MT>(rowp, S::kWeightBytes * st, srow, S::first_group(st), xp, st * S::kActBytes, t,
+    int_lane_step<F, G, ST, R, MT, V::kGfni>(rowp, S::kWeightBytes * st, srow, S::first_group(st), xp, st * S::kActBytes, t,
                                    st * S::kFloats, acc);
   }
   if (full < s1) {
@@ -474,7 +474,7 @@ HM_TILE_INLINE void int_lane_tile(const uint8_t* const* rowp, const uint16_t* co
       std::memcpy(spad[i], srow[i] + S::first_group(full), static_cast<size_t>(2 * left));
       w[i] = wpad[i], s[i] = spad[i];
     }
-    int_lane_step<F, G, ST, R, MT>(w, 0, s, 0, xp, full * S::kActBytes, t, full * S::kFloats, acc);
+    int_lane_step<F, G, ST, R, MT, V::kGfni>(w, 0, s, 0, xp, full * S::kActBytes, t, full * S::kFloats, acc);
   }
   static_assert(R == 4, "the rows' sums are taken together");
   for (int j = 0; j < MT; ++j) {
