@@ -111,7 +111,7 @@ void rotate(const void* x, int64_t x_token, int64_t x_head, void* out, int64_t o
   rope(r, pool);
 }
 
-// q, k, v in the compute dtype: one run_matmul_group where the matrices share their activations, else one call each.
+// Projections of one input x [S, K] into ys: one run_matmul_group where they share their activations, else a call each.
 void project(const Matrix* mats, int n, bool grouped, const void* x, int64_t S, void* const* ys, bool x_bf16,
              bool y_bf16, const KernelTable& kt, ThreadPool& pool) {
   if (grouped) {
