@@ -50,9 +50,7 @@ class Sampler:
         _check_inputs(logits, params, generators, token_history)
         logits = logits.float()  # [S, V]; a copy is made below before anything is written
         if all(p.is_greedy and not _changes_logits(p) for p in params):  # a plain decode batch: one pass in all
-            next_ids = _argmax(logits)  # [S]
-            _check_row_max(logits.gather(1, next_ids[:, None])[:, 0])
-            return next_ids
+            return _greedy(logits)
         _check_row_max(logits.amax(dim=-1))
         copied = False
         if any(p.logit_bias for p in params):
@@ -92,6 +90,20 @@ def _check_inputs(logits, params, generators, token_history) -> None:
             raise ValueError(f"Sampler: {name} has {len(values)} entries but logits has {num_rows} rows")
 
 
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] -> each row's largest logit's index [S] (int64), checked as _check_row_max checks. On the CPU
+    in numpy: in a decode step the weights streamed before leave torch's code cold, and the torch version's four ops
+    (argmax, gather, isfinite, nonzero) took about twice numpy's time there (0.5 against 0.25 ms, caches flushed)."""
+    if logits.device.type != "cpu":
+        next_ids = logits.argmax(dim=-1)
+        _check_row_max(logits.gather(1, next_ids[:, None])[:, 0])
+        return next_ids
+    rows = logits.numpy()
+    next_ids = rows.argmax(axis=-1)  # the first of ties, a NaN's if any
+    _fail_rows(np.flatnonzero(~np.isfinite(rows[np.arange(rows.shape[0]), next_ids])).tolist())
+    return torch.from_numpy(next_ids.astype(np.int64))
+
+
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [S, V] -> the index of each row's largest logit [S] (int64; the first of ties, a NaN's if any)."""
     if logits.device.type != "cpu":
@@ -108,7 +120,11 @@ def _changes_logits(p: SamplingParams) -> bool:
 def _check_row_max(row_max: torch.Tensor) -> None:
     """row_max [S]: each row's largest logit: NaN when the row holds a NaN, +inf when it holds +inf, -inf when
     nothing can be sampled."""
-    bad_rows = (~torch.isfinite(row_max)).nonzero().flatten().tolist()
+    _fail_rows((~torch.isfinite(row_max)).nonzero().flatten().tolist())
+
+
+def _fail_rows(bad_rows: list[int]) -> None:
+    """A ValueError naming the rows whose largest logit is not finite, if any."""
     if bad_rows:
         raise ValueError(f"Sampler: logits of rows {bad_rows} contain NaN or +inf, or are all -inf")
 
