@@ -73,19 +73,8 @@ namespace {
 // RMSNorm of rows [S, dim] (at x_stride) into out (at out_stride), after residual += x where residual is given.
 void norm_rows(const void* x, int64_t x_stride, void* residual, const void* weight, void* out, int64_t out_stride,
                int64_t rows, int64_t dim, bool bf16, float eps, ThreadPool& pool) {
-  RmsNormArgs n;
-  n.x = x;
-  n.x_stride = x_stride;
-  n.residual = residual;
-  n.residual_stride = dim;
-  n.weight = weight;
-  n.out = out;
-  n.out_stride = out_stride;
-  n.rows = rows;
-  n.dim = dim;
-  n.bf16 = bf16;
-  n.eps = eps;
-  rms_norm(n, pool);
+  // in RmsNormArgs' order: x, x_stride, residual, residual_stride, weight, out, out_stride, rows, dim, bf16, eps
+  rms_norm(RmsNormArgs{x, x_stride, residual, dim, weight, out, out_stride, rows, dim, bf16, eps}, pool);
 }
 
 // RoPE of x [S, heads, dim] (strides in elements) into out, after an RMSNorm of each row by norm (null: none).
