@@ -60,7 +60,7 @@ def _same_as_python(model, kv_dtype):
     prompts, steps = _inputs(model.config.vocab_size)
     python, python_caches, none = _decode(model, kv_dtype, False, prompts, steps)
     stacked, stacked_caches, runs = _decode(model, kv_dtype, True, prompts, steps)
-    assert none == 0 and runs == len(steps), model.decode_stack_unsupported
+    assert none == 0 and runs == len(steps), model.decode_stack_verdict
     assert torch.equal(python.isnan(), stacked.isnan())
     assert torch.equal(python.nan_to_num(), stacked.nan_to_num())
     for a, b in zip(python_caches, stacked_caches):
@@ -110,6 +110,23 @@ def test_the_stack_stands_aside_where_layers_must_run_in_python(tiny_model_dir):
     assert len(seen) == 3 * model.config.num_layers  # the prefill and both decode steps, every layer
     remove()
     assert _decode(model, torch.float32, True, prompts[:2], [s[:2] for s in steps[:2]])[2] == 2
+
+
+def test_another_list_of_layers_gets_a_stack_of_its_own(tiny_model_dir):
+    """The op tables' host costs run a model with subsets of its layers (profiling.op_tables.measure_host)."""
+    model = load_model(tiny_model_dir("qwen3_moe"), "float32")
+    prompts, steps = _inputs(model.config.vocab_size)
+    assert _decode(model, torch.float32, True, prompts, steps[:2])[2] == 2
+    every, layers = model.decode_stack, model.layers
+    try:
+        model.layers = layers[:1]
+        _same_as_python(model, torch.float32)
+        assert model.decode_stack is not every and model.decode_stack.layers is model.layers
+        model.layers = []
+        assert _decode(model, torch.float32, True, prompts, steps[:2])[2] == 0
+        assert model.decode_stack_verdict == ([], "no layers")
+    finally:
+        model.layers = layers
 
 
 @pytest.mark.parametrize("model_type,overrides,backend,why", [

@@ -108,7 +108,7 @@ class DecodeStack:
 
     def __init__(self, model: MoEDecoderModel, kv_caches: list[torch.Tensor]):
         cfg, att = model.config, model.config.attention
-        self.caches = tuple(kv_caches)
+        self.layers, self.caches = model.layers, tuple(kv_caches)  # what it was made of (their identities)
         self.rope = model.layers[0].attention.rope
         # the attention observers' and routing observers' lists, and the MoE blocks (stream-loading prefill's backend)
         self._observer_lists = [layer.attention.observers for layer in model.layers]
@@ -175,11 +175,12 @@ def decode_stack_for(model: MoEDecoderModel, meta: AttentionMetadata, num_tokens
     if not ENABLED or model.layer_observers or num_tokens >= FLOAT_KERNEL_MAX_TOKENS:
         return None
     stack = model.decode_stack
-    if stack is None or not (len(kv_caches) == len(stack.caches)
-                             and all(a is b for a, b in zip(kv_caches, stack.caches))):
-        if model.decode_stack_unsupported is None:
-            model.decode_stack_unsupported = unsupported(model) or ""
-        if model.decode_stack_unsupported or not _caches_fit(kv_caches):
+    if stack is None or stack.layers is not model.layers or not (
+            len(kv_caches) == len(stack.caches) and all(a is b for a, b in zip(kv_caches, stack.caches))):
+        verdict = model.decode_stack_verdict
+        if verdict is None or verdict[0] is not model.layers:  # the op tables' host costs run subsets of the layers
+            verdict = model.decode_stack_verdict = (model.layers, unsupported(model) or "")
+        if verdict[1] or not _caches_fit(kv_caches):
             return None
         stack = model.decode_stack = DecodeStack(model, kv_caches)
     return stack if stack.applies(meta, num_tokens) else None

@@ -58,9 +58,10 @@ class MoEDecoderModel:
         # sends a prompt's KV layer by layer); a forward with one runs layer by layer (no dual-batch split)
         self.layer_observers: list[Callable[[int], None]] = []
         # a decode step's layers in one native call where they qualify (models/decode_stack.py): made at the first
-        # decode step, remade for other caches; why the model does not qualify ("" when it does; None: not asked)
+        # decode step, remade for other caches or another list of layers; and the layers' verdict (the list it was
+        # made for, why they do not qualify: "" when they do)
         self.decode_stack: DecodeStack | None = None
-        self.decode_stack_unsupported: str | None = None
+        self.decode_stack_verdict: tuple[list[DecoderLayer], str] | None = None
 
     def add_routing_observer(self, observe: Callable[[int, torch.Tensor], None]) -> Callable[[], None]:
         """Call observe(layer_index, topk_ids [T, K]) at every MoE layer of every forward (routing statistics);
