@@ -740,7 +740,8 @@ struct PyDecodeStack {
   int64_t num_slots = 0, num_blocks = 0, block_size = 0, rotary_half = 0;
 
   // shape: hidden, heads, mla, kv_heads and head_dim (GQA) or nope_dim, rope_dim, v_dim, lora, q_lora (MLA), bf16,
-  // eps, scale, window, interleaved. routing: top_k, sigmoid, groups, topk_groups, normalize, norm_eps, scale.
+  // eps, scale, window, interleaved. routing: kernels.router.route's settings (k, sigmoid, groups, topk_groups,
+  // normalize, norm_eps, scale).
   // layers: one dict each: o, cache, post_norm, next_norm; GQA: q, k, v (Matrix), q_norm, k_norm (arrays or None);
   // MLA: q_first, q_b (or None), kv_a (Matrix), q_a_norm (or None), kv_a_norm, uk, uv (MatrixHeads); the MLP:
   // experts (MoE or None), gate (the router's float32 Matrix), bias (or None), mlp ((gate, up, down) Matrices of the
@@ -868,7 +869,7 @@ struct PyDecodeStack {
         l.gate = nb::cast<const PyMatrix&>(item("gate")).m;
         const int64_t E = l.gate.rows;
         if (l.gate.fmt != WFormat::F32 || l.gate.cols != H) fail(at + ".gate", "must be float32 [E, hidden]");
-        const int64_t top_k = nb::cast<int64_t>(get(routing, "routing", "top_k"));
+        const int64_t top_k = nb::cast<int64_t>(get(routing, "routing", "k"));
         const int64_t groups = nb::cast<int64_t>(get(routing, "routing", "groups"));
         const int64_t topk_groups = nb::cast<int64_t>(get(routing, "routing", "topk_groups"));
         if (top_k < 1 || top_k > E || groups < 1 || E % groups || topk_groups < 1 || topk_groups > groups)

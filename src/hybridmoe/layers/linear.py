@@ -124,12 +124,14 @@ class SharedInput:
         self._of: tuple = ()
         self._group: LinearGroup | None = None
 
-    def __call__(self, members: tuple, x: torch.Tensor) -> list[torch.Tensor]:
-        """members: the projections (Linear or not), x [T, K] -> one [T, N_i] a member."""
+    def __call__(self, members: tuple, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """members: the projections (Linear or not), x [T, K] -> one [T, N_i] a member, in out_dtype (default x's)."""
         made_of = self._of
         if len(made_of) != len(members) or any(a is not b for a, b in zip(made_of, members)):
             self._of, self._group = members, LinearGroup.of(*members)
-        return self._group(x) if self._group is not None else [m(x) for m in members]
+        if self._group is not None:
+            return self._group(x, out_dtype)
+        return [m(x) if out_dtype is None else m(x, out_dtype) for m in members]
 
 
 def kernel_tokens(linear: Linear, x_dtype: torch.dtype) -> int | float:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.kernels.moe import silu_mul
-from hybridmoe.layers.linear import Linear, LinearGroup, kernel_tokens
+from hybridmoe.layers.linear import Linear, SharedInput, kernel_tokens
 
 
 @dataclass
@@ -24,8 +24,8 @@ class GatedMLP:
     gate_proj: Linear  # [I, H]
     up_proj: Linear  # [I, H]
     down_proj: Linear  # [H, I]
-    # gate and up in one kernel call where they can share it, made for the projections it was made of
-    _gate_up: tuple = field(default=(), init=False, repr=False)
+    # gate and up in one kernel call where they can share it
+    _gate_up: SharedInput = field(default_factory=SharedInput, init=False, repr=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
@@ -33,16 +33,7 @@ class GatedMLP:
         if (x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()
                 and all(type(p) is Linear and p.bias is None for p in projections)
                 and x.shape[0] < min(kernel_tokens(p, x.dtype) for p in projections[:2])):
-            gate, up = self.gate_up_float32(x)
+            gate, up = self._gate_up(projections[:2], x, torch.float32)
             h = silu_mul(gate, up)  # [T, I] float32
             return self.down_proj(h if x.dtype == torch.float32 else h.to(x.dtype))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def gate_up_float32(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """gate x and up x [T, I] in float32 on the kernels: one call where the two share their activations."""
-        made = self._gate_up
-        if not made or made[0] is not self.gate_proj or made[1] is not self.up_proj:
-            made = self._gate_up = (self.gate_proj, self.up_proj, LinearGroup.of(self.gate_proj, self.up_proj))
-        if made[2] is not None:
-            return made[2](x, torch.float32)
-        return [p(x, torch.float32) for p in (self.gate_proj, self.up_proj)]

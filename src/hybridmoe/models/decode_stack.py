@@ -123,8 +123,8 @@ class DecodeStack:
                          lora=att.kv_lora_rank, q_lora=att.q_lora_rank or 0)
         else:
             shape.update(kv_heads=att.num_kv_heads, head_dim=att.head_dim)
-        routing = next((dict(block.router.kernel_args) for block in self._blocks), {})  # the bias is per layer
-        routing = {("top_k" if key == "k" else key): value for key, value in routing.items() if key != "bias"}
+        routing = next((block.router.kernel_args for block in self._blocks), {})
+        routing = {key: value for key, value in routing.items() if key != "bias"}  # the bias is per layer
         next_norms = [layer.input_norm for layer in model.layers[1:]] + [model.norm]
         layers = [dict(_attention_entry(layer.attention), **_mlp_entry(layer.mlp), cache=cache,
                        post_norm=layer.post_attention_norm, next_norm=next_norm)
