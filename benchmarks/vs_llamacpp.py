@@ -26,16 +26,16 @@ What it does, each step reused when its output is already there (under --cache, 
    bits per weight everywhere, the LM head included, so that pair compares the kernels alone. The LM head is most of
    a decode step's bytes in a 4-layer model (331 MB in int8 against 67 MB of int4 layers), far less in the real
    48-layer one (about 1,900 MB a token).
-3. Side by side: for each format (bf16/int8/int4/int4-head4 against bf16/q8_0/q4_0/q4_0-output-q4_0), --rounds rounds,
-   each round one run of each engine in a subprocess of its own (no shared memory, threads or allocator), the order
-   flipping every round (ours, llama.cpp, llama.cpp, ours, ...) so that a drifting host meets both alike. A run
-   reads the model's files once (page cache), loads the model, warms up on a prompt of the same length, then times the prefill of the
-   same --prompt-tokens token ids (given as ids: the tokenizers do not matter) and --decode-tokens greedy decode
-   steps after it (EOS ignored), --threads threads each (llama.cpp: n_threads = n_threads_batch, n_batch =
-   n_ubatch = the prompt, its default float16 KV cache; ours: torch.set_num_threads, isa.configure_threads,
-   HYBRIDMOE_NUM_THREADS, a --kv-cache-dtype KV cache, float16 by default as llama.cpp's). Prefill
-   tok/s = prompt tokens / time to the first token; decode tok/s = decode steps / time from the first token to the
-   last (each engine's own greedy pick included). The machine's read bandwidth (hybridmoe's probe,
+3. Side by side: for each format (bf16/int8/int4/int4-head4 against bf16/q8_0/q4_0/q4_0-output-q4_0), --rounds
+   rounds, each round one run of each engine in a subprocess of its own (no shared memory, threads or allocator), the
+   order flipping every round (ours, llama.cpp, llama.cpp, ours, ...) so that a drifting host meets both alike. A run
+   puts the model's files in the page cache afresh (`warm_files`), loads the model, warms up on a prompt of the same
+   length, then times the prefill of the same --prompt-tokens token ids (given as ids: the tokenizers do not matter)
+   and --decode-tokens greedy decode steps after it (EOS ignored), --threads threads each (llama.cpp: n_threads =
+   n_threads_batch, n_batch = n_ubatch = the prompt, its default float16 KV cache; ours: torch.set_num_threads,
+   isa.configure_threads, HYBRIDMOE_NUM_THREADS, a --kv-cache-dtype KV cache, float16 by default as llama.cpp's).
+   Prefill tok/s = prompt tokens / time to the first token; decode tok/s = decode steps / time from the first token
+   to the last (each engine's own greedy pick included). The machine's read bandwidth (hybridmoe's probe,
    `_native.measure_read_bandwidth`, --threads threads over 4x the last-level cache) is measured before and after
    every run.
 4. Bytes per decoded token, from each file's own tensor sizes: attention, norms, the router, top-k of the layer's
@@ -54,8 +54,8 @@ What it does, each step reused when its output is already there (under --cache, 
    worth of time the rest of the machine was busy (/proc/stat less this process), its involuntary context
    switches and its major page faults. Cells are "median (best)" over the rounds: llama.cpp's decode, whose
    threads meet at a spinning barrier after every graph node, slows down several times over when another process
-   takes one of the two CPUs; ours meets at the pool after every kernel call (17 a step at 4 layers; the decode stack makes
-   them from C++).
+   takes one of the two CPUs; ours meets at the pool after every kernel call (17 a step at 4 layers; the decode
+   stack makes them from C++).
 
 The tokenizer: the random checkpoint has none, and llama.cpp's converter needs one it accepts as Qwen2's. This
 script writes a real byte-level BPE of exactly the model's vocabulary (151936 ids) with `tokenizers`: GPT-2's byte
@@ -74,7 +74,9 @@ Internal subcommands (the script runs them in subprocesses; `_llama`, `_convert`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import mmap
 import os
 import random
 import re
@@ -395,14 +397,34 @@ def every(seconds: float, wanted):
     return show
 
 
+MADV_POPULATE_READ = 22  # Linux 5.14+; Python's mmap module does not name it
+
+
 def warm_files(paths: list[Path]) -> float:
-    """Read the files once (into the page cache); seconds taken."""
+    """Put the files in the page cache afresh, as a fault through a mapping advised for huge pages reads them (what
+    hybridmoe's CheckpointReader does on a cold start); seconds taken. The cached pages are dropped first: pages
+    already cached keep the size they got when they came in (the converter's writes, earlier runs), and 4 KB pages
+    read mid-size weights a third slower than 2 MB ones on the AMX host (docs/benchmarks.md, "The page cache's
+    pages"), which made the same code measure 0.81 or 0.90 of the bandwidth by what ran before it. Both engines'
+    files are warmed so."""
     start = time.perf_counter()
-    buf = bytearray(16 << 20)
     for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):  # pages another process maps stay; none does between runs
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if os.fstat(fd).st_size == 0:
+                continue
+            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
+                with contextlib.suppress(AttributeError, OSError):
+                    mapped.madvise(mmap.MADV_HUGEPAGE)
+                try:
+                    mapped.madvise(MADV_POPULATE_READ)
+                except OSError:  # an older kernel: fault every page
+                    for i in range(0, len(mapped), mmap.PAGESIZE):
+                        mapped[i]
+        finally:
+            os.close(fd)
     return time.perf_counter() - start
 
 

@@ -4,8 +4,11 @@ summary rows."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
+import mmap
+import os
 import struct
 import sys
 from pathlib import Path
@@ -118,6 +121,35 @@ def test_qwen_shaped_bf16_bytes_per_token(vs):
 
 def test_bandwidth_fraction(vs):
     assert vs.bandwidth_fraction(1e9, 20.0, 40.0) == pytest.approx(0.5)
+
+
+def resident_pages(path: Path) -> tuple[int, int]:
+    """(pages of the file in the page cache, pages of the file), by mincore over a fresh private mapping (never
+    written, so its pages are the page cache's)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapped:
+        pages = (len(mapped) + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        first = ctypes.c_char.from_buffer(mapped)
+        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(first)), ctypes.c_size_t(len(mapped)), vec)
+        del first  # the mapping closes only without exported buffers
+        assert rc == 0, os.strerror(ctypes.get_errno())
+        return sum(v & 1 for v in vec), pages
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and posix_fadvise are Linux's")
+def test_warm_files_leaves_every_page_cached_and_the_bytes_as_they_were(vs, tmp_path):
+    data = os.urandom(3 << 20)
+    full, empty = tmp_path / "w.safetensors", tmp_path / "empty.safetensors"
+    full.write_bytes(data)
+    empty.write_bytes(b"")
+    with open(full, "rb") as f:  # written back, so that the warm-up's drop may drop them
+        os.fsync(f.fileno())
+    seconds = vs.warm_files([full, empty])
+    assert seconds >= 0
+    cached, pages = resident_pages(full)
+    assert cached == pages == len(data) // mmap.PAGESIZE
+    assert full.read_bytes() == data
 
 
 def test_safetensors_sizes_read_only_the_headers(vs, tmp_path):
