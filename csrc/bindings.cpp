@@ -21,6 +21,7 @@
 #include "attention.h"
 #include "cpu_features.h"
 #include "decode_stack.h"
+#include "dequantize.h"
 #include "fp_convert.h"
 #include "moe.h"
 #include "norm.h"
@@ -375,6 +376,21 @@ void matmul(const PyMatrix& w, nb::object x_obj, nb::object out_obj, const std::
   void* yp = out.data();
   const Matrix m = w.m;
   run_sync([=] { run_matmul(m, xp, x_bf16, M, ldx, yp, y_bf16, p, *kt, global_pool()); });
+}
+
+// out = rows [r0, r1) of an int4 / int8 matrix as bf16 (dequantize_rows_bf16).
+void dequantize_bf16(const PyMatrix& w, int64_t r0, int64_t r1, nb::object out_obj) {
+  if (!is_int_format(w.m.fmt)) fail("w", "must be int4 or int8");
+  if (r0 < 0 || r1 < r0 || r1 > w.m.rows)
+    fail("rows", "[" + std::to_string(r0) + ", " + std::to_string(r1) + ") is not within the matrix's " +
+                     std::to_string(w.m.rows) + " rows");
+  const MutArray out = nb::cast<MutArray>(out_obj, false);
+  check_2d("out", out, {kBF16});
+  check_shape("out", out, r1 - r0, w.m.cols);
+  uint16_t* p = static_cast<uint16_t*>(out.data());
+  const int64_t ld = r1 - r0 > 1 ? out.stride(0) : w.m.cols;
+  const Matrix m = w.m;
+  run_sync([=] { dequantize_rows_bf16(m, r0, r1, p, ld, global_pool()); });
 }
 
 std::vector<Matrix> matrices_of(const std::vector<const PyMatrix*>& ws) {
@@ -1111,6 +1127,8 @@ NB_MODULE(_native, mod) {
           "outs[i][M, N_i] = x[M, K] @ W_i^T for matrices of one input (blocking): the activations prepared once, one "
           "pool dispatch over every matrix's row blocks; x and outs float32 or bfloat16 (outs alike).");
   mod.def("matmul", &matmul, "w"_a, "x"_a, "out"_a, "path"_a = "auto", "out[M, N] = x[M, K] @ W^T (blocking); x and out float32 or bfloat16 (out rounded to nearest even).");
+  mod.def("dequantize_bf16", &dequantize_bf16, "w"_a, "r0"_a, "r1"_a, "out"_a,
+          "out[r1 - r0, cols] (bfloat16) = rows [r0, r1) of an int4 / int8 matrix, code times scale rounded to bf16.");
   mod.def("quantize_rows", [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x, int64_t padded,
                               int group) {
     if (group < 1 || padded % group || padded < static_cast<int64_t>(x.shape(1)))

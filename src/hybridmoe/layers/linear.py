@@ -7,8 +7,11 @@ one token reads at a fraction of it); from FLOAT_KERNEL_MAX_TOKENS tokens on, fl
 (oneDNN, AMX where present), which beat the kernels' GEMM there on the machines measured (docs/kernels.md,
 "Linear layers"). A bf16/f16 weight under a float32 compute dtype (a CPU without bf16 units) stays as stored, half
 the bytes a decode step reads: the kernels up to CONVERTED_KERNEL_MAX_TOKENS tokens, then torch's matmul over
-blocks of CONVERT_ROWS rows converted into a small buffer. FP8 and int weights run on the kernels at every size:
-torch has no matmul for them. `LinearGroup` computes projections of one input (GQA's q / k / v) in one kernel call.
+blocks of CONVERT_ROWS rows converted into a small buffer. FP8 weights run on the kernels at every size: torch
+has no matmul for them. Int weights too, except under bf16 activations on a CPU with AMX tiles: from
+INT_DEQUANT_MIN_TOKENS tokens their rows are dequantised to bf16 a block at a time (bit for bit code x scale) for
+torch's matmul, which multiplies a prompt several times faster than the int kernels there. `LinearGroup` computes
+projections of one input (GQA's q / k / v) in one kernel call.
 
 Legend: T tokens, K input features, N output features.
 """
@@ -21,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.dlpack import to_dlpack
 
-from hybridmoe.kernels import _native
+from hybridmoe.kernels import _native, isa
+from hybridmoe.kernels.formats import INT_FORMATS
 from hybridmoe.kernels.moe import matmul
 from hybridmoe.kernels.weights import contiguous_rows, dense_format, kernel_matrix
 
@@ -30,6 +34,11 @@ FLOAT_KERNEL_MAX_TOKENS = 8  # float weights: the kernels below this many tokens
 # about 64 tokens (AVX2 Zen 3, 2 threads: 2.9 against 6.9 ms at 16 tokens of 4096 x 2048 bf16; 0.5x at 512).
 CONVERTED_KERNEL_MAX_TOKENS = 64
 CONVERT_ROWS = 256  # rows converted at a time above that: 2 MB of float32 at 2048 columns, warm in cache for the mm
+# Int weights under bf16 activations on an AMX CPU: torch's matmul over dequantised rows from this many tokens, the
+# kernels below (an AMX Xeon, 2 threads, int4 g32: even at 64 tokens, 1.6-2.5x at 128, 2.5-3.7x at 512 for
+# Qwen3-30B-A3B's q / k / o projections; 0.2-0.6x at 8-32, where dequantising costs more than the kernels' GEMV).
+INT_DEQUANT_MIN_TOKENS = 64
+DEQUANT_BLOCK_BYTES = 4 << 20  # bf16 rows dequantised at a time: 1024 rows at 2048 columns, in L2 and L3 for the mm
 
 
 def keeps_stored(stored: torch.dtype, compute: torch.dtype) -> bool:
@@ -45,6 +54,7 @@ class Linear:
         self.fmt, self.rows, self.cols, self.bias, self.block = fmt, data.shape[0], cols, bias, block
         self.data, self.scales = data, scales  # the matrix reads this memory: keep it alive
         self._float_weight = data if fmt in ("f32", "bf16", "f16") else None  # read by every call: no property
+        self._int = fmt in INT_FORMATS
         self.matrix = kernel_matrix(fmt, data, scales, cols=cols, block=block, name=name)
 
     @classmethod
@@ -58,6 +68,11 @@ class Linear:
         """The float weight [N, K] (None for FP8 and int formats)."""
         return self._float_weight
 
+    def dequantizes(self, x_dtype: torch.dtype) -> bool:
+        """Whether int weights go to torch's matmul over dequantised rows from INT_DEQUANT_MIN_TOKENS tokens of
+        x_dtype (bf16 on a CPU with AMX tiles, which torch's bf16 matmul uses too)."""
+        return self._int and x_dtype == torch.bfloat16 and isa.amx()
+
     @property
     def nbytes(self) -> int:
         return self.data.nbytes + (self.scales.nbytes if self.scales is not None else 0)
@@ -67,6 +82,8 @@ class Linear:
         if x.dim() != 2:
             return self(x.reshape(-1, self.cols), out_dtype).view(*x.shape[:-1], self.rows)
         weight = self._float_weight
+        if x.shape[0] >= INT_DEQUANT_MIN_TOKENS and self.dequantizes(x.dtype):
+            return _as(_linear_dequantizing(x, self), out_dtype)
         if weight is not None and x.shape[0] >= FLOAT_KERNEL_MAX_TOKENS:
             if weight.dtype == x.dtype:
                 return _as(F.linear(x, weight, self.bias), out_dtype)
@@ -138,12 +155,28 @@ def kernel_tokens(linear: Linear, x_dtype: torch.dtype) -> int | float:
     """Up to how many tokens (exclusive) `linear` computes x of x_dtype on the kernels."""
     weight = linear.weight
     if weight is None:
-        return math.inf
+        return INT_DEQUANT_MIN_TOKENS if linear.dequantizes(x_dtype) else math.inf
     return FLOAT_KERNEL_MAX_TOKENS if weight.dtype == x_dtype else CONVERTED_KERNEL_MAX_TOKENS
 
 
 def _as(y: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return y if dtype is None else y.to(dtype)
+
+
+def _linear_dequantizing(x: torch.Tensor, linear: Linear) -> torch.Tensor:
+    """x [T, K] bf16 @ W^T (+ bias) -> [T, N] bf16 for an int4 / int8 W: its rows dequantised to bf16 a block at a
+    time into one reused buffer (DEQUANT_BLOCK_BYTES), each block multiplied by torch's matmul."""
+    rows, cols = linear.rows, linear.cols
+    out = torch.empty((x.shape[0], rows), dtype=x.dtype)
+    step = min(rows, max(16, DEQUANT_BLOCK_BYTES // (2 * cols)))
+    buffer = torch.empty((step, cols), dtype=torch.bfloat16)
+    for r0 in range(0, rows, step):
+        block = buffer[: min(step, rows - r0)]
+        _native.dequantize_bf16(linear.matrix, r0, r0 + block.shape[0], block)
+        out[:, r0:r0 + block.shape[0]] = x @ block.t()
+    if linear.bias is not None:
+        out += linear.bias.to(x.dtype)
+    return out
 
 
 def _linear_converting(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
