@@ -1161,6 +1161,8 @@ NB_MODULE(_native, mod) {
   mod.def("isa_amx", [](const std::string& name) { return kernels_for(name)->amx; }, "name"_a,
           "Whether ISA `name` multiplies bf16 and fp8 weights by AMX tiles (activations rounded to bf16) from "
           "amx_min_tokens() tokens per expert; ValueError if it cannot run here");
+  mod.def("amx_int_min_tokens", [] { return kAmxIntMinTokens; },
+          "Tokens per expert from which the amx ISA's auto path multiplies int4 and int8 weights by AMX tiles.");
   mod.def("amx_min_tokens", [] { return kAmxMinTokens; },
           "Tokens per expert from which the amx ISA's auto path multiplies bf16 and fp8 weights by AMX tiles.");
   mod.def("bf16_dot_min_tokens", [] {

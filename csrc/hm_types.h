@@ -143,9 +143,18 @@ static inline bool use_gemm(MatmulPath path, int64_t tokens, WFormat f, bool bf1
   return path == MatmulPath::Gemm || (path == MatmulPath::Auto && tokens >= gemm_min_tokens(f, bf16_dot, amx));
 }
 
+// Tokens per expert from which the amx table multiplies int4 and int8 weights by AMX tiles on the auto path, their
+// codes times scales rounded to bf16 and the activations rounded to bf16 instead of quantised to int8 (a forced
+// path keeps the int kernels). An AMX Xeon, 2 threads, int4 g32: 32 experts of 2048 x 768 at 128 tokens top-8
+// (32 an expert) 29.2-31.3 -> 26.2-26.6 ms; alone, 1.4-1.7x from 16 tokens on the 768 x 2048 gate, the 2048 x 768
+// down 0.6-0.9x at 16-32 and 1.2-1.3x from 64 (docs/kernels.md, "AMX tiles for int weights").
+constexpr int64_t kAmxIntMinTokens = 16;
+
 // Whether a table with AMX tiles multiplies `tokens` tokens of format f by them: bf16 and fp8 weights, wherever
-// the GEMM path would run (forced, or past the float GEMV's range) and from kAmxMinTokens on the auto path.
+// the GEMM path would run (forced, or past the float GEMV's range) and from kAmxMinTokens on the auto path; int4
+// and int8 from kAmxIntMinTokens on the auto path.
 static inline bool use_amx(MatmulPath path, int64_t tokens, WFormat f) {
+  if (is_int_format(f)) return path == MatmulPath::Auto && tokens >= kAmxIntMinTokens;
   return has_bf16_dot_path(f) && (tokens > kMaxGemvTokens || use_gemm(path, tokens, f, false, true));
 }
 
@@ -180,8 +189,8 @@ const KernelTable* kernels_amx();         // nullptr where not compiled in
 // AMX tiles) for a matrix of format f with rows of row_bytes bytes.
 static inline bool rounds_activations_to_bf16(const KernelTable& t, WFormat f, int64_t row_bytes, int64_t tokens,
                                               MatmulPath path) {
+  if (t.amx && (has_bf16_dot_path(f) || is_int_format(f))) return use_amx(path, tokens, f);
   if (!has_bf16_dot_path(f)) return false;
-  if (t.amx) return use_amx(path, tokens, f);
   return t.bf16_dot && !use_gemm(path, tokens, f, true) && tokens <= kMaxGemvTokens &&
          tokens >= bf16_dot_min_tokens(f, row_bytes);
 }

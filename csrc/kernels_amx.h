@@ -1,10 +1,11 @@
-// AMX tiles for bf16 and fp8 weights (table "amx", kernels_amx.cpp; use_amx in hm_types.h says when):
+// AMX tiles for bf16, fp8, int4 and int8 weights (table "amx", kernels_amx.cpp; use_amx in hm_types.h says when):
 // y[m, r] = sum_k x[m, k] * W[r, k] by tdpbf16ps, 16 weight rows x N tokens x 32 columns an instruction
 // (N = M below 16 tokens, else 16).
 //
 // - A tiles (16 rows x 32 bf16): the weights, decoded to bf16 into a staging buffer (bf16: copied; fp8: value *
 //   2^-120 by bit placement for column steps where no row of the tile has a subnormal code, else value * 2^-8
-//   exactly, as in the bf16 dot-product GEMV).
+//   exactly, as in the bf16 dot-product GEMV; int4 / int8: code x group scale rounded to bf16, a step being one
+//   group of 32 or a quarter of one of 128).
 // - B tiles (16 column pairs x N tokens x 2 bf16): the tokens' activations, times the fp8 block scales of the
 //   row block (and 2^104, or 2^-8 for the exact decode), rounded to bf16 and transposed pairwise once per row
 //   block (segment_activations_bf16, then amx_pack_tokens). Their products are * 2^-16 either way, so both
@@ -23,6 +24,7 @@
 #include <cstdlib>
 #include <new>
 
+#include "fp_convert.h"
 #include "kernels_simd_bf16.h"
 
 namespace hm {
@@ -127,28 +129,67 @@ inline void amx_exact_steps(const Matrix& w, const I64* rows, I64 steps, uint8_t
   }
 }
 
+// A step of an int4 / int8 row at p (32 columns: int4 16 bytes, column j in the low nibble of byte j and j + 16
+// in its high one, as q + 8) times its group scale s, rounded to bf16 (nearest even): the float64 dequantisation
+// rounded, since a code of at most 8 bits times a bf16 / f16 scale is exact in float32. Columns past n are zero.
+template <WFormat F>
+HM_TILE_INLINE __m512i amx_int_step(const uint8_t* p, float s, I64 n) {
+  __m512i lo, hi;  // columns 0-15 and 16-31 as int32
+  if constexpr (F == WFormat::INT4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));  // rows are padded to whole groups
+    const __m512i bytes = _mm512_cvtepu8_epi32(b), eight = _mm512_set1_epi32(8);
+    lo = _mm512_sub_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), eight);
+    hi = _mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), eight);
+  } else {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    lo = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(b));
+    hi = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1));
+  }
+  const __m512 scale = _mm512_set1_ps(s);
+  const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), scale),
+                                         _mm512_mul_ps(_mm512_cvtepi32_ps(lo), scale));
+  const __mmask32 mask = n == kAmxStep ? ~__mmask32{0} : (__mmask32{1} << n) - 1;
+  return _mm512_maskz_mov_epi16(mask, reinterpret_cast<const __m512i&>(v));
+}
+
+// Row r's scale of group g (int formats).
+HM_TILE_INLINE float amx_int_scale(const Matrix& w, I64 r, I64 g) {
+  const uint16_t s = static_cast<const uint16_t*>(w.scales)[r * w.scale_stride + g];
+  return w.scale_type == ScaleType::BF16 ? bf16_to_float(s) : half_to_float(s);
+}
+
+// Bytes of a row's first k columns in format F.
+template <WFormat F>
+constexpr I64 amx_col_bytes(I64 k) {
+  return F == WFormat::BF16 ? 2 * k : F == WFormat::INT4 ? k / 2 : k;
+}
+
 // stage[(s * 16 + i) * 32 + c] = bf16 of W[rows[i]][32 (c0 + s) + c] for s < steps (fp8: the bit-placement
-// decode, or the exact one where bit s of `exact` is set); zero past K.
+// decode, or the exact one where bit s of `exact` is set; int4 / int8: code x scale); zero past K.
 // The same columns of the next chunk are prefetched (one cache line of each row a step for bf16, every other
-// step for fp8).
+// step for fp8 and int8 (the pipelined single steps: every step for fp8), every fourth for int4).
 template <class V, WFormat F>
 HM_TILE_INLINE void amx_stage(const Matrix& w, const I64* rows, I64 c0, I64 steps, uint32_t exact, uint16_t* stage) {
-  constexpr I64 B = F == WFormat::FP8 ? 1 : 2;
-  const I64 prefetch_end = w.cols * B - kAmxChunkSteps * kAmxStep * B;  // row offsets with a next chunk
+  constexpr I64 ahead = amx_col_bytes<F>(kAmxChunkSteps * kAmxStep);
+  const I64 prefetch_end = amx_col_bytes<F>(w.cols) - ahead;  // row offsets with a next chunk
   for (I64 s = 0; s < steps; ++s) {
     const I64 k = (c0 + s) * kAmxStep, n = imin(kAmxStep, w.cols - k);
     const __mmask32 mask = n == kAmxStep ? ~__mmask32{0} : (__mmask32{1} << n) - 1;
     const bool ex = (exact >> s) & 1;
-    const bool prefetch = k * B < prefetch_end && (B == 2 || (s & 1) == 0);
+    const bool line = F == WFormat::BF16 || (F == WFormat::FP8 && (s & 1) == 0) ||
+                      (F == WFormat::INT8 && ((c0 + s) & 1) == 0) || (F == WFormat::INT4 && ((c0 + s) & 3) == 0);
+    const bool prefetch = amx_col_bytes<F>(k) < prefetch_end && line;
     for (I64 i = 0; i < kAmxTile; ++i) {
-      const uint8_t* p = w.data + rows[i] * w.row_bytes + k * B;
-      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(p + kAmxChunkSteps * kAmxStep * B), _MM_HINT_T0);
+      const uint8_t* p = w.data + rows[i] * w.row_bytes + amx_col_bytes<F>(k);
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
       __m512i v;
       if constexpr (F == WFormat::BF16) {
         v = _mm512_maskz_loadu_epi16(mask, p);
-      } else {
+      } else if constexpr (F == WFormat::FP8) {
         const __m256i codes = _mm256_maskz_loadu_epi8(mask, p);
         v = ex ? V::fp8_exact_codes(codes) : V::fp8_normal_codes(codes);
+      } else {
+        v = amx_int_step<F>(p, amx_int_scale(w, rows[i], k / w.group), n);
       }
       _mm512_store_si512(stage + (s * kAmxTile + i) * kAmxStep, v);
     }
@@ -331,11 +372,16 @@ void matmul_amx(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
       }
       amx_row_group<V, F>(w, r, s1 - 1, row_tiles, token_tiles, n, pack_fast, pack_exact, fast, stage, out,
                           step_bits);
+      // C's rows to y's columns, token tile by token tile (no division per element: an idiv each cost 20% of int4
+      // experts at 32 tokens where the compiler kept it)
       for (int rt = 0; rt < row_tiles; ++rt)
-        for (I64 i = 0; i < kAmxTile && r + rt * kAmxTile + i < s1; ++i)
-          for (I64 m = 0; m < M; ++m)
-            y[m * ldy + r + rt * kAmxTile + i - r0] =
-                out[(rt * token_tiles + m / n) * 256 + i * kAmxTile + m % n] * output_scale;
+        for (I64 i = 0; i < kAmxTile && r + rt * kAmxTile + i < s1; ++i) {
+          float* yc = y + r + rt * kAmxTile + i - r0;
+          for (I64 tt = 0, m = 0; tt < token_tiles; ++tt) {
+            const float* c = out + (rt * token_tiles + tt) * 256 + i * kAmxTile;
+            for (I64 j = 0; j < n && m < M; ++j, ++m) yc[m * ldy] = c[j] * output_scale;
+          }
+        }
     }
     s0 = s1;
   }

@@ -67,13 +67,24 @@ __attribute__((noinline)) void matmul_int_blocks(const Matrix& w, I64 r0, I64 r1
   }
 }
 
+#ifdef __AMX_BF16__
+// The AMX tiles by format. Not inlined into matmul, which a decode step calls for every projection.
+template <class V>
+__attribute__((noinline)) void matmul_amx_any(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
+  switch (w.fmt) {
+    case WFormat::FP8: return matmul_amx<V, WFormat::FP8>(w, r0, r1, x, y, ldy);
+    case WFormat::INT4: return matmul_amx<V, WFormat::INT4>(w, r0, r1, x, y, ldy);
+    case WFormat::INT8: return matmul_amx<V, WFormat::INT8>(w, r0, r1, x, y, ldy);
+    default: return matmul_amx<V, WFormat::BF16>(w, r0, r1, x, y, ldy);
+  }
+}
+#endif
+
 template <class V>
 void matmul(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy, MatmulPath path) {
 #ifdef __AMX_BF16__
   if constexpr (V::kAmx) {
-    if (use_amx(path, x.m, w.fmt))
-      return w.fmt == WFormat::FP8 ? matmul_amx<V, WFormat::FP8>(w, r0, r1, x, y, ldy)
-                                   : matmul_amx<V, WFormat::BF16>(w, r0, r1, x, y, ldy);
+    if (use_amx(path, x.m, w.fmt)) return matmul_amx_any<V>(w, r0, r1, x, y, ldy);
   }
 #endif
   const bool gemm = use_gemm(path, x.m, w.fmt, V::kBf16Dot);

@@ -30,6 +30,12 @@ def random_int(fmt: str, rows: int, cols: int, group: int, scale_dtype: torch.dt
     return quantize(w, group, scale_dtype)
 
 
+def amx_int_reference(fmt: str, data: torch.Tensor, scales: torch.Tensor, cols: int, x: torch.Tensor) -> torch.Tensor:
+    """What the AMX tiles compute for int weights, in float64: activations and code x scale rounded to bf16."""
+    w = formats.dequantize_int(fmt, data, scales, cols).to(torch.bfloat16).double()
+    return x.to(torch.bfloat16).double() @ w.T
+
+
 def random_experts(fmt: str, num_experts: int, hidden: int, inter: int, gen: torch.Generator,
                    group: int = 32, scale_dtype: torch.dtype = torch.bfloat16, block=(128, 128)):
     """Random routed experts in `fmt` -> (FusedMoE keyword arguments, float64 (gate, up, down) per expert)."""

@@ -249,15 +249,16 @@ def _any_format_matrix(fmt: str, rows: int, cols: int, gen: torch.Generator):
 @pytest.mark.parametrize("fmt", ["fp8", "bf16", "f32", "int4", "int8"])
 def test_amx_runs_fewer_tokens_and_other_formats_as_avx512(fmt):
     """The amx ISA runs what it does not give its AMX tiles as avx512, bit for bit: bf16 and fp8 weights below
-    isa.amx_min_tokens() tokens on the auto path (or on a forced GEMV path), every other format always. From the
-    threshold on, bf16 and fp8 round their activations to bf16 (results differ)."""
+    isa.amx_min_tokens() tokens on the auto path (or on a forced GEMV path), int weights below
+    isa.amx_int_min_tokens(), f32 always. From the thresholds on, the tiles round the activations to bf16 (results
+    differ)."""
     if "amx" not in isa.available_isas():
         pytest.skip("no AMX here")
     gen = torch.Generator().manual_seed(seed(fmt, "amx"))
     cols = 700
     m = _any_format_matrix(fmt, 40, cols, gen)
-    threshold = isa.amx_min_tokens()
-    for tokens in (1, threshold - 1, threshold, 9):
+    threshold = isa.amx_min_tokens() if fmt in ("fp8", "bf16") else isa.amx_int_min_tokens()
+    for tokens in (1, threshold - 1, threshold, threshold + 1):
         x = torch.randn(tokens, cols, generator=gen)
         for path in ("auto", "gemv"):
             with isa.use_isa("amx"):
@@ -265,7 +266,7 @@ def test_amx_runs_fewer_tokens_and_other_formats_as_avx512(fmt):
                 amx = matmul(m, x, path)
             with isa.use_isa("avx512"):
                 plain = matmul(m, x, path)
-            assert tiles == (fmt in ("fp8", "bf16") and path == "auto" and tokens >= threshold)
+            assert tiles == (fmt != "f32" and path == "auto" and tokens >= threshold)
             assert torch.equal(amx, plain) == (not tiles), (tokens, path)
 
 
@@ -326,7 +327,8 @@ def test_auto_path_switches_to_gemm_at_the_format_threshold(each_isa, fmt):
     threshold = m.gemm_min_tokens
     if fmt in ("int4", "int8"):
         assert threshold == 2**63 - 1
-        x = torch.randn(300, cols, generator=gen)
+        # the amx ISA takes its AMX tiles from isa.amx_int_min_tokens() (test_matmul_int.py)
+        x = torch.randn(isa.amx_int_min_tokens() - 1 if isa.amx() else 300, cols, generator=gen)
         assert torch.equal(matmul(m, x, "auto"), matmul(m, x, "gemv"))
         return
     if isa.amx() and fmt in ("fp8", "bf16"):

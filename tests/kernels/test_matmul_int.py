@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmoe.kernels import _native, formats, reference
+from hybridmoe.kernels import _native, formats, isa, reference
 from hybridmoe.kernels.moe import matmul
 from hybridmoe.kernels.weights import kernel_matrix
-from kernel_testing import random_int, seed
+from kernel_testing import amx_int_reference, random_int, seed
 
 # (N, K); 1100: K chunks on GEMM; 6200, 3200: rows of >= 3 KB, whose GEMV prefetches the next tile into L2
 # (NextRows) and, for int8 at one token, reads 2-row tiles (kInt8TwoRowTileMinBytes; last row tiles of 1 and 3 rows)
@@ -40,7 +40,8 @@ def test_int_kernels_match_their_exact_arithmetic(each_isa, fmt, group, scale_dt
 def test_int_kernels_take_many_tokens_in_blocks(each_isa, fmt, group, path):
     """A prompt's tokens run in blocks of 128 (kIntTokenBlock): a whole block, one token past it (a last block of
     one), several blocks with a partial last one, each token's dot products as the exact arithmetic gives them;
-    float32 and bf16 inputs (bf16 is converted per token)."""
+    float32 and bf16 inputs (bf16 is converted per token). The amx ISA's auto path takes its AMX tiles there
+    instead, with bf16 activations and weights."""
     gen = torch.Generator().manual_seed(seed(fmt, group, path, each_isa, "blocks"))
     for rows, cols in [(37, 100), (20, 1100), (131, 300)]:
         data, scales = random_int(fmt, rows, cols, group, torch.bfloat16, gen)
@@ -48,10 +49,42 @@ def test_int_kernels_take_many_tokens_in_blocks(each_isa, fmt, group, path):
         for tokens in (128, 129, 300):
             for dtype in (torch.float32, torch.bfloat16):
                 x = torch.randn(tokens, cols, generator=gen).to(dtype)
-                ref = reference.int_matmul_reference(fmt, data, scales, cols, x.float())
+                if path == "auto" and isa.amx():
+                    ref = amx_int_reference(fmt, data, scales, cols, x)
+                else:
+                    ref = reference.int_matmul_reference(fmt, data, scales, cols, x.float())
                 magnitude = x.double().abs() @ reference.dequantize(fmt, data, scales, cols=cols).abs().T
                 err = (matmul(m, x, path).double() - ref).abs()
                 assert (err <= 1e-5 * magnitude + 1e-6).all(), f"{rows}x{cols} T={tokens} {dtype}: {err.max():.3g}"
+
+
+@pytest.mark.skipif("amx" not in isa.available_isas(), reason="no AMX tiles on this CPU")
+@pytest.mark.parametrize("fmt,group,scale_dtype", CASES)
+def test_amx_tiles_take_int_weights_from_their_threshold(fmt, group, scale_dtype):
+    """From isa.amx_int_min_tokens() tokens the amx ISA's auto path multiplies int weights by AMX tiles: code x
+    scale and the activations rounded to bf16, summed in float32 (rows not a multiple of a 16-row tile, columns not
+    of a 32-column step, 1-3 token tiles); below it, and on a forced path, the int kernels as avx512 runs them."""
+    gen = torch.Generator().manual_seed(seed(fmt, group, scale_dtype, "amx int"))
+    first = isa.amx_int_min_tokens()
+    for rows, cols in [(37, 100), (40, 700), (131, 1100)]:
+        data, scales = random_int(fmt, rows, cols, group, scale_dtype, gen)
+        m = kernel_matrix(fmt, data, scales, cols=cols)
+        magnitude = None
+        for tokens in (first - 1, first, first + 1, 40):
+            x = torch.randn(tokens, cols, generator=gen)
+            with isa.use_isa("amx"):
+                auto, gemv = matmul(m, x, "auto"), matmul(m, x, "gemv")
+            with isa.use_isa("avx512"):
+                plain = matmul(m, x, "auto")
+            assert torch.equal(gemv, plain)
+            if tokens < first:
+                assert torch.equal(auto, plain)
+                continue
+            ref = amx_int_reference(fmt, data, scales, cols, x)
+            magnitude = x.double().abs() @ reference.dequantize(fmt, data, scales, cols=cols).abs().T
+            err = (auto.double() - ref).abs()
+            assert (err <= 1e-5 * magnitude + 1e-6).all(), f"{rows}x{cols} T={tokens}: {err.max():.3g}"
+        assert magnitude is not None
 
 
 @pytest.mark.parametrize("fmt,group", [(fmt, group) for fmt in formats.INT_FORMATS for group in formats.INT_GROUPS])

@@ -9,6 +9,7 @@ import torch
 
 from hybridmoe.kernels import _native, isa
 from hybridmoe.kernels.formats import dequantize_int, quantize_int4, quantize_int8
+from hybridmoe.kernels.moe import matmul
 from hybridmoe.kernels.weights import kernel_matrix
 from hybridmoe.layers.linear import DEQUANT_BLOCK_BYTES, INT_DEQUANT_MIN_TOKENS, Linear, LinearGroup, kernel_tokens
 
@@ -91,13 +92,14 @@ def test_the_kernels_keep_what_the_dequantized_path_does_not_take():
         assert linear.dequantizes(torch.bfloat16) and not linear.dequantizes(torch.float32)
         assert kernel_tokens(linear, torch.bfloat16) == INT_DEQUANT_MIN_TOKENS
         prompt = linear(x)
-        short = linear(x[: INT_DEQUANT_MIN_TOKENS - 1])  # the kernels: a different rounding of the same rows
+        short = linear(x[: INT_DEQUANT_MIN_TOKENS - 1])
+        assert torch.equal(short, matmul(linear.matrix, x[: INT_DEQUANT_MIN_TOKENS - 1], out_dtype=torch.bfloat16))
         floats = linear(x.float())
     with isa.use_isa("avx512"):
         assert not linear.dequantizes(torch.bfloat16)
         assert kernel_tokens(linear, torch.bfloat16) == float("inf")
         kernels = linear(x)
-    assert torch.equal(short, kernels[: INT_DEQUANT_MIN_TOKENS - 1])
+        assert torch.equal(kernels, matmul(linear.matrix, x, out_dtype=torch.bfloat16))
     assert not torch.equal(prompt, kernels)  # two paths, two roundings
     assert torch.allclose(floats.to(torch.bfloat16).float(), prompt.float(), rtol=5e-2, atol=5e-2)
 

@@ -68,6 +68,12 @@ def amx_min_tokens() -> int:
     return int(_native.amx_min_tokens())
 
 
+def amx_int_min_tokens() -> int:
+    """Tokens per expert from which the amx ISA's auto path takes its AMX tiles for int4 and int8 weights (codes
+    times scales and the activations rounded to bf16)."""
+    return int(_native.amx_int_min_tokens())
+
+
 def bf16_dot_min_tokens() -> dict[str, int]:
     """Per weight format ("fp8", "bf16"): the tokens per expert from which a bf16 dot-product ISA multiplies with
     bf16 dot products (fewer take its base ISA's float32 GEMV); bf16 rows of bf16_dot_long_row_bytes() and more
