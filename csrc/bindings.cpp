@@ -1008,14 +1008,14 @@ NB_MODULE(_native, mod) {
                    },
                    "Tokens from which path='auto' takes the GEMM path (fewer: the GEMV path), for the active ISA "
                    "(amx: its AMX tiles for bf16 and fp8 weights); int4 and int8: 2**63 - 1 (any number of tokens "
-                   "on the GEMV path, 128 at a time).")
+                   "on the GEMV path, 128 at a time; amx: its AMX tiles from amx_int_min_tokens()).")
       .def("rounds_activations_to_bf16",
            [](const PyMatrix& p, int64_t tokens, const std::string& path) {
              return rounds_activations_to_bf16(*active_kernels(), p.m.fmt, p.m.row_bytes, tokens, parse_path(path));
            },
            "tokens"_a, "path"_a,
            "Whether a matmul of `tokens` tokens on `path` rounds the activations to bf16 under the active ISA (bf16 "
-           "dot products or AMX tiles for bf16 and fp8 weights).")
+           "dot products or AMX tiles for bf16 and fp8 weights, and for int4 and int8 on the amx ISA).")
       .def_prop_ro("bf16_dot_min_tokens",
                    [](const PyMatrix& p) -> int64_t {
                      if (!active_kernels()->bf16_dot || !has_bf16_dot_path(p.m.fmt)) return -1;

@@ -1,7 +1,7 @@
 // The AMX kernel table (compiled with the AVX-512 flags, -mavx512bf16, -mamx-tile and -mamx-bf16; selected on CPUs
-// with AMX-BF16 whose OS lets the process use the tile registers): kernels_avx512.cpp's float32 GEMV for few
-// tokens per expert and the int formats, AMX tiles for bf16 and fp8 weights from kAmxMinTokens tokens
-// (kernels_amx.h).
+// with AMX-BF16 whose OS lets the process use the tile registers): kernels_avx512.cpp's float32 GEMV and int
+// kernels for few tokens per expert, AMX tiles for bf16 and fp8 weights from kAmxMinTokens tokens and for int4 and
+// int8 from kAmxIntMinTokens (kernels_amx.h).
 #include "simd_avx512.h"
 #include "kernels_simd.h"
 

@@ -70,7 +70,8 @@ __attribute__((noinline)) void matmul_int_blocks(const Matrix& w, I64 r0, I64 r1
 #ifdef __AMX_BF16__
 // The AMX tiles by format. Not inlined into matmul, which a decode step calls for every projection.
 template <class V>
-__attribute__((noinline)) void matmul_amx_any(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64 ldy) {
+__attribute__((noinline)) void matmul_amx_any(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y,
+                                              I64 ldy) {
   switch (w.fmt) {
     case WFormat::FP8: return matmul_amx<V, WFormat::FP8>(w, r0, r1, x, y, ldy);
     case WFormat::INT4: return matmul_amx<V, WFormat::INT4>(w, r0, r1, x, y, ldy);

@@ -174,8 +174,9 @@ struct Avx512Bf16 : Avx512 {
 
 #ifdef __AMX_BF16__
 // AVX-512 with AMX tiles (table "amx", compiled with -mavx512bf16 -mamx-tile -mamx-bf16): bf16 and fp8 weights
-// from kAmxMinTokens tokens per expert through tdpbf16ps tiles (kernels_amx.h), with the bf16 decodes and
-// rounding of Avx512Bf16; fewer tokens take the float32 GEMV of Avx512 (no bf16 dot products on the GEMV path).
+// from kAmxMinTokens tokens per expert (int4 and int8 from kAmxIntMinTokens) through tdpbf16ps tiles
+// (kernels_amx.h), with the bf16 decodes and rounding of Avx512Bf16; fewer tokens take the float32 GEMV and int
+// kernels of Avx512 (no bf16 dot products on the GEMV path).
 struct Avx512Amx : Avx512Bf16 {
   static constexpr bool kBf16Dot = false;
   static constexpr bool kAmx = true;

@@ -53,8 +53,8 @@ def run(args) -> int:
                          f"tokens per expert (bf16 rows of {long_rows} bytes and more: from 1), activations "
                          "rounded to bf16")
         if not reason and isa.amx(name):
-            notes.append(f"AMX tiles for bf16/fp8 weights from {isa.amx_min_tokens()} tokens per expert, "
-                         "activations rounded to bf16")
+            notes.append(f"AMX tiles for bf16/fp8 weights from {isa.amx_min_tokens()} tokens per expert and int4/int8 "
+                         f"from {isa.amx_int_min_tokens()}, activations rounded to bf16")
         if name == "avx2bf16" and not reason:
             notes.append("emulated, for tests")
         if not reason and not isa.auto_selected(name):
