@@ -35,9 +35,10 @@ FLOAT_KERNEL_MAX_TOKENS = 8  # float weights: the kernels below this many tokens
 CONVERTED_KERNEL_MAX_TOKENS = 64
 CONVERT_ROWS = 256  # rows converted at a time above that: 2 MB of float32 at 2048 columns, warm in cache for the mm
 # Int weights under bf16 activations on an AMX CPU: torch's matmul over dequantised rows from this many tokens, the
-# kernels below (an AMX Xeon, 2 threads, int4 g32: even at 64 tokens, 1.6-2.5x at 128, 2.5-3.7x at 512 for
-# Qwen3-30B-A3B's q / k / o projections; 0.2-0.6x at 8-32, where dequantising costs more than the kernels' GEMV).
-INT_DEQUANT_MIN_TOKENS = 64
+# kernels (their AMX tiles from 16 tokens) below. An AMX Xeon, 2 threads, int4 g32, Qwen3-30B-A3B's q / o and k
+# projections, against the kernels: 0.5-0.7x at 64, 0.7-1.4x at 128, 0.9-1.3x at 192, 1.3-1.8x at 256, 1.5-2.6x
+# at 512 (dequantising 8.4 M weights takes about 2.5 ms).
+INT_DEQUANT_MIN_TOKENS = 192
 DEQUANT_BLOCK_BYTES = 4 << 20  # bf16 rows dequantised at a time: 1024 rows at 2048 columns, in L2 and L3 for the mm
 
 
