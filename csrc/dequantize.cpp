@@ -8,11 +8,6 @@ namespace hm {
 
 namespace {
 
-inline float scale_at(const Matrix& w, int64_t r, int64_t g) {
-  const uint16_t s = static_cast<const uint16_t*>(w.scales)[r * w.scale_stride + g];
-  return w.scale_type == ScaleType::BF16 ? bf16_to_float(s) : half_to_float(s);
-}
-
 // One row: codes of a group times its scale. int4 stores each run of 32 columns in 16 bytes, column j in the low
 // nibble of byte j and column j + 16 in its high nibble, as q + 8. Built for AVX-512 and AVX2 too, picked at load
 // (the translation unit's own flags are the baseline's): the loops vectorise there, twice as fast.
@@ -33,7 +28,7 @@ void dequantize_row(const Matrix& w, int64_t r, uint16_t* out) {
       const int8_t* run = reinterpret_cast<const int8_t*>(row) + c0;
       for (int j = 0; j < 32; ++j) codes[j] = static_cast<float>(run[j]);
     }
-    const float s = scale_at(w, r, c0 / w.group);  // groups are 32 or 128 columns: a run lies in one
+    const float s = int_group_scale(w, r, c0 / w.group);  // groups are 32 or 128 columns: a run lies in one
     const int64_t n = std::min<int64_t>(32, w.cols - c0);
     for (int64_t j = 0; j < n; ++j) out[c0 + j] = float_to_bf16(codes[j] * s);
   }

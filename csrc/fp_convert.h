@@ -1,10 +1,13 @@
-// Scalar conversions between float32 and bf16 / IEEE half bit patterns, and the exact e4m3fn decode.
+// Scalar conversions between float32 and bf16 / IEEE half bit patterns, the exact e4m3fn decode, and an int
+// matrix's group scale as float32.
 // Internal linkage on purpose: translation units compiled with different ISA flags each keep their own copy.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "hm_types.h"
 
 namespace hm {
 namespace {
@@ -88,6 +91,12 @@ inline float fp8_e4m3_to_float(uint8_t b) {
     v = std::ldexp(static_cast<float>(mant | 0x8), exp - 10);
   }
   return (b & 0x80) ? -v : v;
+}
+
+// Row r's scale of group g of an int4 / int8 matrix (bf16 or f16 scales).
+inline float int_group_scale(const Matrix& w, int64_t r, int64_t g) {
+  const uint16_t s = static_cast<const uint16_t*>(w.scales)[r * w.scale_stride + g];
+  return w.scale_type == ScaleType::BF16 ? bf16_to_float(s) : half_to_float(s);
 }
 
 }  // namespace

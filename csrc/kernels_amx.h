@@ -152,12 +152,6 @@ HM_TILE_INLINE __m512i amx_int_step(const uint8_t* p, float s, I64 n) {
   return _mm512_maskz_mov_epi16(mask, reinterpret_cast<const __m512i&>(v));
 }
 
-// Row r's scale of group g (int formats).
-HM_TILE_INLINE float amx_int_scale(const Matrix& w, I64 r, I64 g) {
-  const uint16_t s = static_cast<const uint16_t*>(w.scales)[r * w.scale_stride + g];
-  return w.scale_type == ScaleType::BF16 ? bf16_to_float(s) : half_to_float(s);
-}
-
 // Bytes of a row's first k columns in format F.
 template <WFormat F>
 constexpr I64 amx_col_bytes(I64 k) {
@@ -189,7 +183,7 @@ HM_TILE_INLINE void amx_stage(const Matrix& w, const I64* rows, I64 c0, I64 step
         const __m256i codes = _mm256_maskz_loadu_epi8(mask, p);
         v = ex ? V::fp8_exact_codes(codes) : V::fp8_normal_codes(codes);
       } else {
-        v = amx_int_step<F>(p, amx_int_scale(w, rows[i], k / w.group), n);
+        v = amx_int_step<F>(p, int_group_scale(w, rows[i], k / w.group), n);
       }
       _mm512_store_si512(stage + (s * kAmxTile + i) * kAmxStep, v);
     }

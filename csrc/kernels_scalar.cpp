@@ -51,11 +51,6 @@ float weight_at(const Matrix& w, I64 r, I64 k) {
   }
 }
 
-float scale_at(const Matrix& w, I64 r, I64 g) {
-  const uint16_t s = static_cast<const uint16_t*>(w.scales)[r * w.scale_stride + g];
-  return w.scale_type == ScaleType::BF16 ? bf16_to_float(s) : half_to_float(s);
-}
-
 int int_weight_at(const Matrix& w, I64 r, I64 k) {
   const uint8_t* row = w.data + r * w.row_bytes;
   if (w.fmt == WFormat::INT8) return static_cast<int8_t>(row[k]);
@@ -73,7 +68,7 @@ void matmul(const Matrix& w, I64 r0, I64 r1, const Activations& x, float* y, I64
         for (I64 g = 0; g < w.padded_cols / w.group; ++g) {
           int32_t dot = 0;
           for (I64 k = g * w.group; k < (g + 1) * w.group; ++k) dot += int_weight_at(w, r, k) * q[k];
-          acc += static_cast<float>(dot) * (scale_at(w, r, g) * qscale_row(x, m)[g]);
+          acc += static_cast<float>(dot) * (int_group_scale(w, r, g) * qscale_row(x, m)[g]);
         }
       } else {
         const float* xr = x_row(x, m);

@@ -55,7 +55,6 @@ class Linear:
         self.fmt, self.rows, self.cols, self.bias, self.block = fmt, data.shape[0], cols, bias, block
         self.data, self.scales = data, scales  # the matrix reads this memory: keep it alive
         self._float_weight = data if fmt in ("f32", "bf16", "f16") else None  # read by every call: no property
-        self._int = fmt in INT_FORMATS
         self.matrix = kernel_matrix(fmt, data, scales, cols=cols, block=block, name=name)
 
     @classmethod
@@ -72,7 +71,7 @@ class Linear:
     def dequantizes(self, x_dtype: torch.dtype) -> bool:
         """Whether int weights go to torch's matmul over dequantised rows from INT_DEQUANT_MIN_TOKENS tokens of
         x_dtype (bf16 on a CPU with AMX tiles, which torch's bf16 matmul uses too)."""
-        return self._int and x_dtype == torch.bfloat16 and isa.amx()
+        return self.fmt in INT_FORMATS and x_dtype == torch.bfloat16 and isa.amx()
 
     @property
     def nbytes(self) -> int:
