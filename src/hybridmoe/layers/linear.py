@@ -165,28 +165,28 @@ def _as(y: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 def _linear_dequantizing(x: torch.Tensor, linear: Linear) -> torch.Tensor:
     """x [T, K] bf16 @ W^T (+ bias) -> [T, N] bf16 for an int4 / int8 W: its rows dequantised to bf16 a block at a
-    time into one reused buffer (DEQUANT_BLOCK_BYTES), each block multiplied by torch's matmul."""
-    rows, cols = linear.rows, linear.cols
-    out = torch.empty((x.shape[0], rows), dtype=x.dtype)
-    step = min(rows, max(16, DEQUANT_BLOCK_BYTES // (2 * cols)))
-    buffer = torch.empty((step, cols), dtype=torch.bfloat16)
-    for r0 in range(0, rows, step):
-        block = buffer[: min(step, rows - r0)]
-        _native.dequantize_bf16(linear.matrix, r0, r0 + block.shape[0], block)
-        out[:, r0:r0 + block.shape[0]] = x @ block.t()
-    if linear.bias is not None:
-        out += linear.bias.to(x.dtype)
-    return out
+    time (DEQUANT_BLOCK_BYTES), each block multiplied by torch's matmul."""
+    step = max(16, DEQUANT_BLOCK_BYTES // (2 * linear.cols))
+    return _linear_in_blocks(x, linear.rows, linear.cols, step, linear.bias,
+                             lambda block, r0: _native.dequantize_bf16(linear.matrix, r0, r0 + block.shape[0], block))
 
 
 def _linear_converting(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, K] @ weight^T (+ bias) -> [T, N] in x's dtype, weight [N, K] in another float dtype: converted
-    CONVERT_ROWS rows at a time into one reused buffer (a whole converted copy would be new memory each call)."""
-    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
-    buffer = torch.empty((min(CONVERT_ROWS, weight.shape[0]), weight.shape[1]), dtype=x.dtype)
-    for r0 in range(0, weight.shape[0], CONVERT_ROWS):
-        block = buffer[: min(CONVERT_ROWS, weight.shape[0] - r0)]
-        block.copy_(weight[r0:r0 + block.shape[0]])
+    CONVERT_ROWS rows at a time (a whole converted copy would be new memory each call)."""
+    return _linear_in_blocks(x, weight.shape[0], weight.shape[1], CONVERT_ROWS, bias,
+                             lambda block, r0: block.copy_(weight[r0:r0 + block.shape[0]]))
+
+
+def _linear_in_blocks(x: torch.Tensor, rows: int, cols: int, step: int, bias: torch.Tensor | None,
+                      fill) -> torch.Tensor:
+    """x [T, K] @ W^T (+ bias) -> [T, N] in x's dtype, W's rows `step` at a time written by fill(block, r0) into
+    one reused buffer in x's dtype, each block multiplied by torch's matmul."""
+    out = torch.empty((x.shape[0], rows), dtype=x.dtype)
+    buffer = torch.empty((min(step, rows), cols), dtype=x.dtype)
+    for r0 in range(0, rows, step):
+        block = buffer[: min(step, rows - r0)]
+        fill(block, r0)
         out[:, r0:r0 + block.shape[0]] = x @ block.t()
     if bias is not None:
         out += bias.to(x.dtype)
