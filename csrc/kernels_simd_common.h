@@ -120,7 +120,11 @@ HM_TILE_INLINE void prefetch_next(const uint8_t* next, I64 stride, I64 pos) {
   if constexpr (P == NextRows::None) {
     return;
   } else if constexpr (P != NextRows::StreamsL2 && P != NextRows::StreamsL2Twice) {
-    for (I64 off = 0; off < R * kStepBytes; off += 64) line(next + R * pos + off);
+    if constexpr (R * kStepBytes >= 64) {
+      for (I64 off = 0; off < R * kStepBytes; off += 64) line(next + R * pos + off);
+    } else if (static_cast<uint64_t>(R * pos) % 64 < static_cast<uint64_t>(R * kStepBytes)) {  // a new line
+      line(next + R * pos);
+    }
   } else if constexpr (kStepBytes >= 64) {
     for (int i = 0; i < R; ++i)
       for (I64 off = 0; off < kStepBytes; off += 64) line(next + i * stride + pos + off);

@@ -35,10 +35,14 @@ HM_TILE_INLINE void accumulate_steps(const uint8_t* const* rowp, I64 k0, I64 k1,
       HM_UNROLL for (int i = 0; i < R; ++i)
         HM_UNROLL for (int j = 0; j < MT; ++j) more[c][i][j] = S::zero();
     for (; k + C * L <= k1; k += C * L) {
-      if (next) prefetch_next<P, R, C * L * B>(next, stride, k * B);
       HM_UNROLL for (int i = 0; i < R; ++i) {
         typename S::Weights w[C];
-        HM_UNROLL for (int c = 0; c < C; ++c) w[c] = S::weights(rowp[i] + (k + c * L) * B);
+        HM_UNROLL for (int c = 0; c < C; ++c) {
+          w[c] = S::weights(rowp[i] + (k + c * L) * B);
+          // each load followed by its share of the next tile's prefetches, not all of them ahead of the step's
+          // loads: a one-row tile of 4 KB bf16 rows read 14% faster so on the AMX Xeon (docs/kernels.md)
+          if (i == 0 && next) prefetch_next<P, R, L * B>(next, stride, (k + c * L) * B);
+        }
         HM_UNROLL for (int j = 0; j < MT; ++j) {
           acc[i][j] = S::multiply_add(acc[i][j], w[0], xr[j] + k);
           HM_UNROLL for (int c = 1; c < C; ++c)

@@ -498,13 +498,16 @@ HM_TILE_INLINE void one_token_int_lanes(const uint8_t* row, I64 row_bytes, const
   constexpr int R = 4;
   __m512 acc[R];
   HM_UNROLL for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  static_assert(P != NextRows::StreamsL2 && P != NextRows::StreamsL2Twice, "the next tile's rows lie back to back");
   for (I64 st = 0; st < steps; ++st) {
-    if (next) prefetch_next<P, R, S::kWeightBytes>(next, 0, st * S::kWeightBytes);
     const __m512i xlo = _mm512_loadu_si512(xq + st * S::kActBytes), xhi = _mm512_loadu_si512(xq + st * S::kActBytes + 64);
     const __m512 xs = _mm512_loadu_ps(t + st * S::kFloats), c = _mm512_loadu_ps(t + st * S::kFloats + 16);
     HM_UNROLL for (int i = 0; i < R; ++i) {
       __m512i lo, hi;
       lane_step_weights<F, V::kGfni>(row + i * row_bytes + S::kWeightBytes * st, lo, hi);
+      // each row's load followed by a quarter of the next tile's lines for this step (its R rows back to back), as
+      // the float GEMV spreads its prefetches (accumulate_steps)
+      if (next) prefetch_next<P, 1, S::kWeightBytes>(next, 0, (R * st + i) * S::kWeightBytes);
       const __m512 ws = lane_weight_scales<F, G, ST>(srow + i * scale_stride + S::first_group(st));
       const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
       acc[i] = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xs, c), ws, acc[i]);
