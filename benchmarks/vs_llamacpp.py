@@ -36,8 +36,8 @@ What it does, each step reused when its output is already there (under --cache, 
    isa.configure_threads, HYBRIDMOE_NUM_THREADS, a --kv-cache-dtype KV cache, float16 by default as llama.cpp's).
    Prefill tok/s = prompt tokens / time to the first token; decode tok/s = decode steps / time from the first token
    to the last (each engine's own greedy pick included). The machine's read bandwidth (hybridmoe's probe,
-   `_native.measure_read_bandwidth`, --threads threads over 4x the last-level cache) is measured before and after
-   every run.
+   `_native.measure_read_bandwidth`, --threads threads over 4x the last-level cache, the best of a plain read and
+   reads that prefetch 2 KB and 8 KB ahead) is measured before and after every run.
 4. Bytes per decoded token, from each file's own tensor sizes: attention, norms, the router, top-k of the layer's
    experts (uniform expert sizes: the layer's expert bytes * k / E), the LM head, one embedding row, and the KV
    cache read at the mean decode context (2 bytes an element for both). Fraction of bandwidth = bytes/token *

@@ -170,8 +170,9 @@ struct KernelTable {
                  MatmulPath path);
   // out[i] = silu(gate[i]) * up[i]
   void (*silu_mul)(const float* gate, const float* up, float* out, int64_t n);
-  // Sum of 64-bit words of p[0, n) (a bandwidth probe; n a multiple of 64 bytes' worth of words).
-  uint64_t (*read_sum)(const uint64_t* p, int64_t n);
+  // Sum of 64-bit words of p[0, n) (a bandwidth probe; n a multiple of 64 bytes' worth of words), each line also
+  // prefetched into L2 `ahead` bytes before it is read (0: no software prefetch).
+  uint64_t (*read_sum)(const uint64_t* p, int64_t n, int64_t ahead);
   // Runs `iters` iterations of independent FMA chains in registers; returns the float ops done.
   double (*fma_peak)(int64_t iters);
   // quantize_row (activation_quant.h), bit for bit.

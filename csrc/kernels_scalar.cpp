@@ -83,9 +83,12 @@ void silu_mul(const float* gate, const float* up, float* out, I64 n) {
   for (I64 i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
-uint64_t read_sum(const uint64_t* p, I64 n) {
+uint64_t read_sum(const uint64_t* p, I64 n, I64 ahead) {
   uint64_t sum = 0;
-  for (I64 i = 0; i < n; ++i) sum += p[i];
+  for (I64 i = 0; i < n; ++i) {
+    if (ahead && i % 8 == 0) __builtin_prefetch(reinterpret_cast<const char*>(p + i) + ahead, 0, 2);
+    sum += p[i];
+  }
   return sum;
 }
 

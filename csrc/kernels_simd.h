@@ -142,14 +142,28 @@ void silu_mul(const float* gate, const float* up, float* out, I64 n) {
   for (; i < n; ++i) out[i] = gate[i] / (1.0f + __builtin_expf(-gate[i])) * up[i];
 }
 
-uint64_t read_sum(const uint64_t* p, I64 n) {
+uint64_t read_sum(const uint64_t* p, I64 n, I64 ahead) {
+  const auto load = [p](I64 i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)); };
+  const auto prefetch = [p, ahead](I64 i) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + i) + ahead, _MM_HINT_T1);
+  };
   __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
   I64 i = 0;
+  if (ahead) {
+    for (; i + 16 <= n; i += 16) {  // each line's prefetch beside its loads (see accumulate_steps)
+      a0 = _mm256_add_epi64(a0, load(i));
+      prefetch(i);
+      a1 = _mm256_add_epi64(a1, load(i + 4));
+      a2 = _mm256_add_epi64(a2, load(i + 8));
+      prefetch(i + 8);
+      a3 = _mm256_add_epi64(a3, load(i + 12));
+    }
+  }
   for (; i + 16 <= n; i += 16) {
-    a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
-    a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 4)));
-    a2 = _mm256_add_epi64(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 8)));
-    a3 = _mm256_add_epi64(a3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 12)));
+    a0 = _mm256_add_epi64(a0, load(i));
+    a1 = _mm256_add_epi64(a1, load(i + 4));
+    a2 = _mm256_add_epi64(a2, load(i + 8));
+    a3 = _mm256_add_epi64(a3, load(i + 12));
   }
   alignas(32) uint64_t lanes[4];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),

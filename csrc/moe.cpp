@@ -475,19 +475,27 @@ void scan_fp8_rows(const Matrix& w, uint8_t* flags, uint8_t* blocks, I64 block_s
   });
 }
 
+constexpr I64 kProbePrefetchAhead[] = {0, 2 << 10, 8 << 10};  // no software prefetch, then two distances
+
 double measure_read_bandwidth(const uint64_t* p, I64 words, int repeats, const KernelTable& kt, ThreadPool& pool) {
   const int threads = pool.size();
   const I64 per = (words / threads) & ~static_cast<I64>(15);
   double best = 0.0;
   std::vector<uint64_t> sums(static_cast<size_t>(threads));
+  uint64_t first_total = 0;
   for (int rep = 0; rep < repeats; ++rep) {
-    const auto t0 = std::chrono::steady_clock::now();
-    pool.parallel_for(threads, [&](I64 task, int) { sums[task] = kt.read_sum(p + task * per, per); });
-    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    best = std::max(best, static_cast<double>(per) * threads * 8.0 / sec);
+    for (const I64 ahead : kProbePrefetchAhead) {
+      std::fill(sums.begin(), sums.end(), uint64_t{0});
+      const auto t0 = std::chrono::steady_clock::now();
+      pool.parallel_for(threads, [&](I64 task, int) { sums[task] = kt.read_sum(p + task * per, per, ahead); });
+      const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best = std::max(best, static_cast<double>(per) * threads * 8.0 / sec);
+      // every variant reads the same words: a differing sum is a loop that skipped or repeated some
+      const uint64_t total = std::accumulate(sums.begin(), sums.end(), uint64_t{0});
+      if (rep == 0 && ahead == 0) first_total = total;
+      else if (total != first_total) throw std::logic_error("read probe: its reads disagree on the buffer's sum");
+    }
   }
-  volatile uint64_t sink = std::accumulate(sums.begin(), sums.end(), uint64_t{0});
-  (void)sink;
   return best;
 }
 

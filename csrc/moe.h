@@ -107,7 +107,10 @@ HeadTasks matmul_heads_tasks(int64_t heads, int64_t rows, int threads, int64_t r
 // blocks[r * block_stride ...] set when column block kb holds a subnormal code. Runs on `pool`.
 void scan_fp8_rows(const Matrix& w, uint8_t* flags, uint8_t* blocks, int64_t block_stride, ThreadPool& pool);
 
-// Bytes per second of reading `words` 64-bit words from p, split over the pool's threads (best of `repeats`).
+// Bytes per second of reading `words` 64-bit words from p, split over the pool's threads: the best of `repeats`
+// rounds of a plain read and reads that prefetch each line kProbePrefetchAhead bytes ahead into L2. On 2 threads of
+// an AMX Xeon a plain read took up to 1.25x as long as the prefetched ones, and the kernels' GEMV, which prefetches,
+// read faster than it: a ceiling the kernels pass is no ceiling.
 double measure_read_bandwidth(const uint64_t* p, int64_t words, int repeats, const KernelTable& kt, ThreadPool& pool);
 // Float ops per second of register-only FMA chains on every thread of the pool.
 double measure_fma_peak(double seconds, const KernelTable& kt, ThreadPool& pool);

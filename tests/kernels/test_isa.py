@@ -161,3 +161,16 @@ def test_info_prints_the_prefetch_settings():
     assert f"family {isa.cpu_family():#x}" in result.stdout
     assert (f"long rows' next-row prefetch (one token) off (this CPU's default {isa.default_long_row_prefetch()}; "
             "HYBRIDMOE_LONG_ROW_PREFETCH=off)") in result.stdout
+
+
+@pytest.mark.parametrize("name", isa.available_isas())
+def test_read_probe_reads_every_word_with_and_without_prefetch(name):
+    """The bandwidth probe takes the best of a plain read and reads with software prefetches; each of them must sum
+    the same words (the probe raises where they disagree), on every ISA, over a buffer that splits unevenly."""
+    import numpy as np
+
+    from hybridmoe.kernels import _native
+
+    words = np.random.default_rng(0).integers(0, 2**63, size=(3 << 17) + 37, dtype=np.uint64)
+    with isa.use_isa(name):
+        assert _native.measure_read_bandwidth(words, 2) > 0

@@ -285,8 +285,8 @@ def _torch_moe(expert_weights, hidden, ids, weights, limit: int | None = None) -
 # ---- the run ---------------------------------------------------------------------------------------------
 
 class MachineProbe:
-    """This machine's read bandwidth (GB/s over 1 GiB or 4x the last-level cache, the kernels' threads, best of a
-    few passes) and FMA peak (GFLOP/s of register-only FMA chains, active ISA); every measurement is kept, so
+    """This machine's read bandwidth (GB/s over 1 GiB or 4x the last-level cache, the kernels' threads, the best of
+    a few passes of a plain read and of reads that prefetch ahead: `_native.measure_read_bandwidth`) and FMA peak (GFLOP/s of register-only FMA chains, active ISA); every measurement is kept, so
     that the run can report the best of them."""
 
     def __init__(self):
@@ -304,8 +304,8 @@ class MachineProbe:
         return self.measure(3 if quick else 6, 0.2 if quick else 0.5)
 
     def beside(self) -> tuple[float, float]:
-        """The short probe taken right before and right after each case (about 0.15 s)."""
-        return self.measure(2, 0.05)
+        """The short probe taken right before and right after each case (about 0.25 s: three reads)."""
+        return self.measure(1, 0.05)
 
 
 def bench_shape(name: str, fmts: list[str], quick: bool, probe: MachineProbe, log=print) -> list[dict]:
