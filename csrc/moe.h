@@ -109,7 +109,7 @@ void scan_fp8_rows(const Matrix& w, uint8_t* flags, uint8_t* blocks, int64_t blo
 
 // Bytes per second of reading `words` 64-bit words from p, split over the pool's threads: the best of `repeats`
 // rounds of a plain read and reads that prefetch each line kProbePrefetchAhead bytes ahead into L2. On 2 threads of
-// an AMX Xeon a plain read took up to 1.25x as long as the prefetched ones, and the kernels' GEMV, which prefetches,
+// an AMX Xeon a plain read took up to 1.3x as long as the prefetched ones, and the kernels' GEMV, which prefetches,
 // read faster than it: a ceiling the kernels pass is no ceiling.
 double measure_read_bandwidth(const uint64_t* p, int64_t words, int repeats, const KernelTable& kt, ThreadPool& pool);
 // Float ops per second of register-only FMA chains on every thread of the pool.

@@ -6,9 +6,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from hybridmoe.kernels import isa
+from hybridmoe.kernels import _native, isa
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -167,10 +168,6 @@ def test_info_prints_the_prefetch_settings():
 def test_read_probe_reads_every_word_with_and_without_prefetch(name):
     """The bandwidth probe takes the best of a plain read and reads with software prefetches; each of them must sum
     the same words (the probe raises where they disagree), on every ISA, over a buffer that splits unevenly."""
-    import numpy as np
-
-    from hybridmoe.kernels import _native
-
     words = np.random.default_rng(0).integers(0, 2**63, size=(3 << 17) + 37, dtype=np.uint64)
     with isa.use_isa(name):
         assert _native.measure_read_bandwidth(words, 2) > 0

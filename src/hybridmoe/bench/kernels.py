@@ -286,8 +286,9 @@ def _torch_moe(expert_weights, hidden, ids, weights, limit: int | None = None) -
 
 class MachineProbe:
     """This machine's read bandwidth (GB/s over 1 GiB or 4x the last-level cache, the kernels' threads, the best of
-    a few passes of a plain read and of reads that prefetch ahead: `_native.measure_read_bandwidth`) and FMA peak (GFLOP/s of register-only FMA chains, active ISA); every measurement is kept, so
-    that the run can report the best of them."""
+    a few passes of a plain read and of reads that prefetch ahead: `_native.measure_read_bandwidth`) and FMA peak
+    (GFLOP/s of register-only FMA chains, active ISA); every measurement is kept, so that the run can report the
+    best of them."""
 
     def __init__(self):
         self.buffer = np.ones(max(BANDWIDTH_BYTES, CACHE_MULTIPLE * last_level_cache_bytes()) // 8, dtype=np.uint64)
