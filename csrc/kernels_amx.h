@@ -170,8 +170,8 @@ HM_TILE_INLINE void amx_stage(const Matrix& w, const I64* rows, I64 c0, I64 step
     const I64 k = (c0 + s) * kAmxStep, n = imin(kAmxStep, w.cols - k);
     const __mmask32 mask = n == kAmxStep ? ~__mmask32{0} : (__mmask32{1} << n) - 1;
     const bool ex = (exact >> s) & 1;
-    const bool line = F == WFormat::BF16 || (F == WFormat::FP8 && (s & 1) == 0) ||
-                      (F == WFormat::INT8 && ((c0 + s) & 1) == 0) || (F == WFormat::INT4 && ((c0 + s) & 3) == 0);
+    // a step that starts a new line of the row (fp8: every other step of this call's)
+    const bool line = F == WFormat::FP8 ? (s & 1) == 0 : amx_col_bytes<F>(k) % 64 == 0;
     const bool prefetch = amx_col_bytes<F>(k) < prefetch_end && line;
     for (I64 i = 0; i < kAmxTile; ++i) {
       const uint8_t* p = w.data + rows[i] * w.row_bytes + amx_col_bytes<F>(k);
